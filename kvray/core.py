@@ -1,0 +1,201 @@
+"""The nouns every room shares: SamplingParams, Req, StepPlan, StepResult.
+
+The scheduler produces a `StepPlan`, every TP worker consumes the same one, and rank 0
+answers with a `StepResult`. Those two dataclasses are the whole contract between the
+scheduling side (CPU only) and the compute side (model, attention, KV pool).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvray.kvcache.base import BaseCacheHandle
+
+
+def div_ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. temperature 0 is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no limit
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None  # also return this many top alternatives per token
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers while keeping the dataclass hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (no limit) or >= 0, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new or retracted); holds no row, no page, no lock
+    RUNNING = "running"  # holds a page_table row, private pages and a locked prefix handle
+    FINISHED = "finished"  # done; holds nothing
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or (set by the front end) a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+@dataclass(eq=False)
+class Req:
+    """One request's progress through the KV cache (scheduler-side state).
+
+    `input_ids` is every token known so far: the prompt, then each sampled token as it comes
+    back. Positions `[0, cached_len)` have K/V in the pool (or will, once the step that was
+    planned for them has run); `[cached_len, device_len)` is what the current step computes.
+    """
+
+    rid: int
+    input_ids: list[int]
+    sampling: SamplingParams
+    prompt_len: int = -1
+    table_idx: int = -1
+    cached_len: int = 0
+    device_len: int = 0
+    cache_handle: BaseCacheHandle | None = None
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    pending: int = 0  # sampled tokens planned but not yet returned (overlap scheduling)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[Any] = field(default_factory=list)
+    num_computed_prefill: int = 0  # prompt tokens this request actually computed (not cached)
+    num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at admission
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.input_ids)
+        self.max_device_len = self.prompt_len + self.sampling.max_tokens
+
+    @property
+    def extend_len(self) -> int:
+        return self.device_len - self.cached_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.input_ids[self.prompt_len :]
+
+    @property
+    def prefilling(self) -> bool:
+        """Between steps, a prefilling request has no position reserved (device_len ==
+        cached_len); a decoding one has exactly one, for the token it sampled last."""
+        return self.device_len == self.cached_len
+
+    def complete_one(self) -> None:
+        """The step that computes [cached_len, device_len) is planned: those positions now
+        count as cached, and one more position is reserved for the token it samples."""
+        self.cached_len = self.device_len
+        self.device_len += 1
+
+
+@dataclass(frozen=True)
+class TableWrite:
+    """page_table[row, start : start + len(slots)] = slots (a matched prefix, or a
+    duplicate region re-pointed to the prefix cache's copy)."""
+
+    row: int
+    start: int
+    slots: np.ndarray
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A row that starts serving a request this step, with what the sampler needs."""
+
+    row: int
+    rid: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one forward step computes, as a delta against the workers' mirrors.
+
+    Batch order is the order of `rows`. Request i computes positions
+    `starts[i] : starts[i] + extend_lens[i]`; its K/V goes to the matching span of
+    `out_loc` (which the worker also writes into its page_table mirror). Token ids the
+    worker does not hold yet arrive in `fill_ids` (`fill_lens[i]` of them for request i,
+    written to token_pool[row, starts[i]:]); a decode step sends none, because the worker
+    wrote the previous sampled token into its token pool itself. Requests with
+    `sample[i]` produce one token, written to token_pool[row, starts[i] + extend_lens[i]].
+
+    Workers apply, in this order: `freed_rows`, `admitted`, `table_writes`, then the batch.
+    """
+
+    step_id: int
+    rows: np.ndarray  # int32 [B]
+    starts: np.ndarray  # int32 [B]
+    extend_lens: np.ndarray  # int32 [B]
+    out_loc: np.ndarray  # int32 [sum(extend_lens)]
+    fill_ids: np.ndarray  # int32 [sum(fill_lens)]
+    fill_lens: np.ndarray  # int32 [B]
+    sample: np.ndarray  # bool [B]
+    table_writes: tuple[TableWrite, ...] = ()
+    admitted: tuple[Admission, ...] = ()
+    freed_rows: tuple[int, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_loc.shape[0])
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample.sum())
+
+    @property
+    def is_empty(self) -> bool:
+        return self.batch_size == 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Rank 0's answer to a plan: one entry per request with sample=True, in batch order."""
+
+    step_id: int
+    token_ids: np.ndarray  # int32 [num_samples]
+    logprobs: np.ndarray | None = None  # float32 [num_samples]
+    top_ids: np.ndarray | None = None  # int32 [num_samples, k]
+    top_logprobs: np.ndarray | None = None  # float32 [num_samples, k]

@@ -1,0 +1,82 @@
+"""The physical KV pool: one tensor holding K and V of every layer."""
+
+from __future__ import annotations
+
+import torch
+
+from kvray.kvcache.base import BaseKVCachePool, div_even
+
+
+class MHAKVCache(BaseKVCachePool):
+    """K/V of all layers in one buffer of shape
+    `(2, num_layers, num_pages, page_size, local_kv_heads, head_dim)`.
+
+    `num_pages` counts every page in the buffer, the dummy page included (the caller adds
+    one page beyond what the scheduler hands out). `tp_size` is explicit: each TP rank holds
+    `div_even(num_kv_heads, tp_size, allow_replicate=True)` heads.
+    """
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        num_layers: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp_size: int = 1,
+    ) -> None:
+        local_kv_heads = div_even(num_kv_heads, tp_size, allow_replicate=True)
+        # Zeroed, not empty: padded reads (the dummy page, masked tail slots) must never
+        # see NaN/inf garbage, which a mask multiplies but cannot cancel.
+        self._kv_buffer = torch.zeros(
+            (2, num_layers, num_pages, page_size, local_kv_heads, head_dim),
+            device=device,
+            dtype=dtype,
+        )
+        self._num_layers = num_layers
+        self._k_buffer = self._kv_buffer[0]
+        self._v_buffer = self._kv_buffer[1]
+        self._storage_shape = (num_pages * page_size, local_kv_heads, head_dim)
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.local_kv_heads = local_kv_heads
+        self.head_dim = head_dim
+
+    def k_cache(self, index: int) -> torch.Tensor:
+        return self._k_buffer[index]
+
+    def v_cache(self, index: int) -> torch.Tensor:
+        return self._v_buffer[index]
+
+    def k_flat(self, index: int) -> torch.Tensor:
+        """Layer `index`'s K as `(num_pages * page_size, local_kv_heads, head_dim)`."""
+        return self._k_buffer[index].view(self._storage_shape)
+
+    def v_flat(self, index: int) -> torch.Tensor:
+        return self._v_buffer[index].view(self._storage_shape)
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
+    ) -> None:
+        """Write K/V of the step's tokens (`[T, local_kv_heads, head_dim]`) to slots `out_loc`."""
+        idx = out_loc.to(device=self._kv_buffer.device, dtype=torch.long)
+        self.k_flat(layer_id).index_copy_(0, idx, k.to(self.dtype))
+        self.v_flat(layer_id).index_copy_(0, idx, v.to(self.dtype))
+
+    @property
+    def buffer_shape(self) -> tuple[int, ...]:
+        return tuple(self._kv_buffer.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self._kv_buffer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._kv_buffer.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
