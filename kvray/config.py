@@ -19,7 +19,9 @@ class SchedulerConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    num_pages: int = Field(gt=0, description="usable KV pages (the pool has one more, the dummy page)")
+    num_pages: int = Field(
+        gt=0, description="usable KV pages (the pool has one more, the dummy page)"
+    )
     page_size: int = Field(default=16, gt=0, description="tokens per KV page")
     max_running_reqs: int = Field(default=256, gt=0, description="page_table rows")
     max_prefill_tokens: int = Field(
@@ -43,7 +45,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
-    model: str | None = Field(default=None, description="HF checkpoint dir; None = embedded SmolLM2")
+    model: str | None = Field(
+        default=None, description="HF checkpoint dir; None = embedded SmolLM2"
+    )
     tp_size: int = Field(default=1, gt=0)
     dtype: DType = "auto"
     page_size: int = Field(default=16, gt=0)

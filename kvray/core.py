@@ -64,13 +64,22 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+class RequestRejected(ValueError):
+    """A request that can never be served as asked (e.g. it can never fit); `param` names
+    the offending field, for the API's error body."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued (new or retracted); holds no row, no page, no lock
     RUNNING = "running"  # holds a page_table row, private pages and a locked prefix handle
     FINISHED = "finished"  # done; holds nothing
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or (set by the front end) a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled by the client or the server
@@ -100,6 +109,7 @@ class Req:
     output_top_logprobs: list[Any] = field(default_factory=list)
     num_computed_prefill: int = 0  # prompt tokens this request actually computed (not cached)
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at admission
+    stop_ids: frozenset[int] = frozenset()  # token ids that end this request (EOS + stop ids)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -188,6 +198,22 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return self.batch_size == 0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What the scheduler tells its caller after a step: a request produced a token
+    and/or finished. `token_id` is None for a finish without a new token (abort)."""
+
+    rid: int
+    token_id: int | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ twice is an error, so two modules can never silently shadow each other.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 F = TypeVar("F", bound=Callable[..., object])
 

@@ -8,8 +8,8 @@ values. Slot indices are int32 numpy arrays of raw token slots (page start + off
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -114,6 +114,10 @@ class BasePrefixCache(ABC):
     @property
     @abstractmethod
     def size_info(self) -> SizeInfo: ...
+
+    @property
+    def evictable_size(self) -> int:
+        return self.size_info.evictable_size
 
     @abstractmethod
     def all_indices(self) -> np.ndarray:

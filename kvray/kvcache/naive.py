@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,6 +40,10 @@ class NaivePrefixCache(BasePrefixCache):
     @property
     def size_info(self) -> SizeInfo:
         return SizeInfo(0, 0)
+
+    @property
+    def evictable_size(self) -> int:
+        return 0
 
     def all_indices(self) -> np.ndarray:
         return _EMPTY

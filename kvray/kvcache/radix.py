@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -168,9 +168,7 @@ class RadixPrefixCache(BasePrefixCache):
                 f"cannot evict {size} slots: only {self._evictable} are unlocked in the cache"
             )
         leaves = [
-            (n.last_access, n.uid, n)
-            for n in self._nodes()
-            if not n.children and n.ref_count == 0
+            (n.last_access, n.uid, n) for n in self._nodes() if not n.children and n.ref_count == 0
         ]
         heapq.heapify(leaves)
         evicted: list[np.ndarray] = []
@@ -191,6 +189,10 @@ class RadixPrefixCache(BasePrefixCache):
     @property
     def size_info(self) -> SizeInfo:
         return SizeInfo(self._evictable, self._protected)
+
+    @property
+    def evictable_size(self) -> int:
+        return self._evictable
 
     # -- inspection ---------------------------------------------------------------------------
 

@@ -1,0 +1,74 @@
+"""PrefillAdder: admits waiting requests into one step under a token and page budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvray.core import Req, ReqStatus, div_ceil
+from kvray.scheduler.cache import CacheManager
+from kvray.scheduler.table import TableManager
+
+
+@dataclass
+class PrefillAdder:
+    """One step's prefill budget.
+
+    `token_budget` is how many prefill tokens the step may still compute. Pages are
+    checked against the live `cache.available_pages` (free + evictable) minus the pages
+    earlier entries of this step already committed, so locking a matched prefix (which
+    makes it unevictable) is seen at once. `reserved_pages` is headroom kept for the
+    running requests' next decode pages, so admitting a prompt does not immediately force
+    a retraction. A request's whole max_tokens is never reserved: decode grows page by
+    page and retracts when the pool runs dry.
+    """
+
+    cache: CacheManager
+    table: TableManager
+    token_budget: int
+    committed_pages: int = 0
+    reserved_pages: int = 0
+
+    @property
+    def pages_left(self) -> int:
+        return self.cache.available_pages - self.committed_pages
+
+    def chunk_for(self, req: Req) -> int:
+        """Tokens of `req` to prefill this step (0 if none fit)."""
+        ps = self.cache.page_size
+        chunk = min(len(req.input_ids) - req.cached_len, self.token_budget)
+        # The page holding position cached_len may already be partly ours.
+        have = div_ceil(req.cached_len, ps) * ps - req.cached_len
+        spare_pages = max(self.pages_left - self.reserved_pages, 0)
+        return max(min(chunk, have + spare_pages * ps), 0)
+
+    def take(self, req: Req, chunk: int) -> None:
+        """Commit `chunk` tokens of `req` to this step's budget."""
+        ps = self.cache.page_size
+        self.token_budget -= chunk
+        self.committed_pages += div_ceil(req.cached_len + chunk, ps) - div_ceil(req.cached_len, ps)
+
+    def try_admit(self, req: Req) -> int:
+        """match -> lock -> re-check space -> take a row and copy the matched slots into it.
+        Returns the chunk admitted (0: not admitted, and nothing is held)."""
+        if self.table.available_rows == 0 or self.token_budget <= 0:
+            return 0
+        handle = self.cache.match_req(req)
+        req.cached_len = req.device_len = handle.cached_len
+        if self.chunk_for(req) == 0:
+            return 0
+        self.cache.lock(handle)
+        chunk = self.chunk_for(req)  # locking made the matched pages unevictable
+        if chunk == 0:
+            self.cache.unlock(handle)
+            return 0
+        row = self.table.allocate()
+        req.table_idx = row
+        req.cache_handle = handle
+        req.status = ReqStatus.RUNNING
+        if handle.cached_len > 0:
+            n = handle.cached_len
+            self.table.token_pool[row, :n] = np.asarray(req.input_ids[:n], dtype=np.int32)
+            self.table.write_slots(row, 0, handle.get_matched_indices())
+        return chunk

@@ -1,0 +1,332 @@
+"""Scheduler: decides, each step, WHO computes WHICH tokens into WHICH slots.
+
+`step()` builds a StepPlan; `process_result()` takes the sampled tokens back. Both may be
+called in the overlapped order plan N, plan N+1, result N, ...: a request's next decode
+is planned before its previous token is known (the workers hold it), so every decision
+here depends on lengths only, never on the values of in-flight tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvray.config import SchedulerConfig
+from kvray.core import (
+    Admission,
+    FinishReason,
+    Req,
+    ReqStatus,
+    RequestRejected,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenEvent,
+)
+from kvray.kvcache import create_prefix_cache
+from kvray.scheduler.cache import CacheManager
+from kvray.scheduler.prefill import PrefillAdder
+from kvray.scheduler.table import TableManager
+
+
+@dataclass
+class SchedulerStats:
+    """Monotonic counters (tokens unless named otherwise)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually computed
+    decode_tokens: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, found cached
+    num_preemptions: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.max_seq_len = config.effective_max_seq_len
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.table = TableManager(config.max_running_reqs, self.max_seq_len, config.page_size)
+        self.cache = CacheManager(
+            config.num_pages,
+            config.page_size,
+            self.table,
+            create_prefix_cache(config.cache_policy, config.page_size),
+        )
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admission order: the newest is retracted first
+        self.reqs: dict[int, Req] = {}
+        self._inflight: dict[int, list[Req]] = {}  # step_id -> requests sampled by it
+        self._next_step_id = 0
+        self.stats = SchedulerStats()
+
+    # -- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, rid: int, input_ids: Sequence[int], sampling: SamplingParams) -> Req:
+        """Queue a request, or raise RequestRejected if it can never be served."""
+        if rid in self.reqs:
+            raise RequestRejected(f"request id {rid} is already in use", "rid")
+        if len(input_ids) == 0:
+            raise RequestRejected("the prompt is empty", "prompt")
+        total = len(input_ids) + sampling.max_tokens
+        if total > self.max_seq_len:
+            raise RequestRejected(
+                f"the prompt has {len(input_ids)} tokens and max_tokens is "
+                f"{sampling.max_tokens}: {total} exceeds this engine's maximum sequence "
+                f"length of {self.max_seq_len} tokens (the smaller of the model context and "
+                f"the KV pool); shorten the prompt or lower max_tokens",
+                "max_tokens",
+            )
+        stop = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop |= self.eos_token_ids
+        req = Req(rid=rid, input_ids=list(input_ids), sampling=sampling, stop_ids=frozenset(stop))
+        self.reqs[rid] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, rid: int) -> TokenEvent | None:
+        """Cancel a request wherever it is; its pages go back at once. None if unknown."""
+        req = self.reqs.get(rid)
+        if req is None:
+            return None
+        self._finish(req, FinishReason.ABORT)
+        self.stats.num_aborted += 1
+        return TokenEvent(rid, None, finish_reason=FinishReason.ABORT)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._inflight)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def step(self) -> StepPlan | None:
+        """Plan the next forward step, or None when there is nothing to compute."""
+        ps = self.page_size
+        adder = PrefillAdder(self.cache, self.table, self.config.max_prefill_tokens)
+        batch: list[tuple[Req, int, bool]] = []  # (request, tokens, is_prefill)
+        retracted = False
+
+        # 1. Running requests, oldest first: one decode token each, or the next prefill
+        #    chunk. When pages run out, retract the newest until the older ones fit.
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if req.prefilling:
+                chunk = adder.chunk_for(req)
+                if chunk == 0 and adder.token_budget > 0 and self.running[-1] is not req:
+                    self._retract(self.running[-1])
+                    retracted = True
+                    continue
+                if chunk > 0:
+                    adder.take(req, chunk)
+                    batch.append((req, chunk, True))
+            elif req.device_len < req.max_device_len:
+                if req.cached_len % ps == 0:  # its next token opens a new page
+                    if adder.pages_left < 1:
+                        while adder.pages_left < 1 and self.running[-1] is not req:
+                            self._retract(self.running[-1])
+                        retracted = True
+                        if adder.pages_left < 1:
+                            self._retract(req)  # the newest left, and it cannot grow
+                            continue
+                    adder.committed_pages += 1
+                batch.append((req, 1, False))
+            i += 1
+
+        # 2. Admit waiting requests (FIFO, retracted ones first), unless this step just had
+        #    to retract: admitting now would only thrash.
+        admitted: list[Admission] = []
+        if not retracted:
+            adder.reserved_pages = sum(1 for r in self.running if not r.prefilling)
+            while self.waiting and self.waiting[0].pending == 0:
+                req = self.waiting[0]
+                chunk = adder.try_admit(req)
+                if chunk == 0:
+                    break
+                self.waiting.popleft()
+                self.running.append(req)
+                admitted.append(Admission(req.table_idx, req.rid, req.sampling))
+                n_prompt = len(req.input_ids)
+                self.stats.prefix_query_tokens += n_prompt
+                self.stats.prefix_hit_tokens += req.cached_len
+                req.num_cached_prompt = req.cached_len
+                adder.take(req, chunk)
+                batch.append((req, chunk, True))
+
+        if not batch:
+            return None
+        return self._build_plan(batch, admitted)
+
+    def _build_plan(
+        self, batch: list[tuple[Req, int, bool]], admitted: list[Admission]
+    ) -> StepPlan:
+        reqs = [r for r, _, _ in batch]
+        for req, n, _ in batch:
+            req.device_len = req.cached_len + n
+        self.cache.allocate_paged(reqs)
+        # Drain the journal now: what cache_req journals below re-points rows at cached
+        # copies of K/V this very step is still computing, so it must reach the workers
+        # after this step's out_loc writes, i.e. with the next plan.
+        writes, freed = self.table.drain()
+
+        rows = np.array([r.table_idx for r in reqs], dtype=np.int32)
+        starts = np.array([r.cached_len for r in reqs], dtype=np.int32)
+        ext = np.array([n for _, n, _ in batch], dtype=np.int32)
+        num_tokens = int(ext.sum())
+        rows_rep = np.repeat(rows, ext)
+        offsets = np.arange(num_tokens, dtype=np.int32) - np.repeat(np.cumsum(ext) - ext, ext)
+        positions = np.repeat(starts, ext) + offsets
+        out_loc = self.table.page_table[rows_rep, positions]
+
+        sample = np.zeros(len(reqs), dtype=np.bool_)
+        fill_lens = np.zeros(len(reqs), dtype=np.int32)
+        fills: list[np.ndarray] = []
+        sampled: list[Req] = []
+        token_pool = self.table.token_pool
+        for j, (req, n, is_prefill) in enumerate(batch):
+            if is_prefill:
+                s = req.cached_len
+                ids = np.asarray(req.input_ids[s : s + n], dtype=np.int32)
+                token_pool[req.table_idx, s : s + n] = ids
+                fills.append(ids)
+                fill_lens[j] = n
+                self.stats.prefill_tokens += n
+                req.num_computed_prefill += n
+                if req.device_len == len(req.input_ids):
+                    req.complete_one()
+                    sample[j] = True
+                else:
+                    req.cached_len = req.device_len
+                # Register the full pages this chunk computes, so requests admitted from
+                # the next step on can share them.
+                self.cache.cache_req(req, finished=False)
+            else:
+                req.complete_one()
+                sample[j] = True
+                self.stats.decode_tokens += 1
+            if sample[j]:
+                req.pending += 1
+                sampled.append(req)
+
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        self.stats.steps += 1
+        if sampled:
+            self._inflight[step_id] = sampled
+        return StepPlan(
+            step_id=step_id,
+            rows=rows,
+            starts=starts,
+            extend_lens=ext,
+            out_loc=out_loc,
+            fill_ids=np.concatenate(fills) if fills else np.zeros(0, dtype=np.int32),
+            fill_lens=fill_lens,
+            sample=sample,
+            table_writes=writes,
+            admitted=tuple(admitted),
+            freed_rows=freed,
+        )
+
+    def process_result(self, result: StepResult) -> list[TokenEvent]:
+        """Take the tokens a plan sampled; finish requests that hit a stop condition."""
+        reqs = self._inflight.pop(result.step_id, [])
+        events: list[TokenEvent] = []
+        token_ids = result.token_ids.tolist()
+        if result.logprobs is not None:
+            logprobs = result.logprobs.tolist()
+        else:
+            logprobs = [None] * len(token_ids)
+        tops = None
+        if result.top_ids is not None and result.top_logprobs is not None:
+            tops = [
+                tuple(zip(i, lp, strict=True))
+                for i, lp in zip(result.top_ids.tolist(), result.top_logprobs.tolist(), strict=True)
+            ]
+        token_pool = self.table.token_pool
+        finished = ReqStatus.FINISHED
+        for i, req in enumerate(reqs):
+            req.pending -= 1
+            if req.status is finished:
+                continue  # aborted or finished while this step was in flight
+            tok = token_ids[i]
+            ids = req.input_ids
+            ids.append(tok)
+            if req.table_idx >= 0:
+                token_pool[req.table_idx, len(ids) - 1] = tok
+            lp = logprobs[i]
+            if lp is not None:
+                req.output_logprobs.append(lp)
+            top = None
+            if tops is not None:
+                top = tops[i]
+                req.output_top_logprobs.append(top)
+            reason = None
+            if tok in req.stop_ids:
+                reason = FinishReason.STOP
+            elif len(ids) >= req.max_device_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish(req, reason)
+            events.append(TokenEvent(req.rid, tok, lp, top, reason))
+        return events
+
+    # -- leaving the running set --------------------------------------------------------------
+
+    def _release(self, req: Req) -> None:
+        """Give back a running request's row and pages; its computed prefix stays cached."""
+        self.cache.cache_req(req, finished=True)
+        self.table.free(req.table_idx)
+        req.table_idx = -1
+        self.running.remove(req)
+
+    def _retract(self, req: Req) -> None:
+        """Preempt: back to the front of the queue. Re-admission re-matches the prefix it
+        registered, so it recomputes only the unaligned tail."""
+        self._release(req)
+        req.cached_len = req.device_len = 0
+        req.status = ReqStatus.WAITING
+        self.waiting.appendleft(req)
+        self.stats.num_preemptions += 1
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        if req.status is ReqStatus.RUNNING:
+            self._release(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        del self.reqs[req.rid]
+        self.stats.num_finished += 1
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    def flush_cache(self) -> None:
+        self.cache.flush()
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(self.running)
+        rows = [r.table_idx for r in self.running]
+        free_rows = self.table.free_rows
+        assert len(set(rows)) == len(rows), "a page_table row is used twice"
+        assert not set(rows) & set(free_rows), "a running request's row is on the free list"
+        assert len(rows) + len(free_rows) == self.table.max_running_reqs, "a row leaked"
+        for req in self.waiting:
+            assert req.table_idx == -1 and req.cache_handle is None, "waiting request holds state"
+        if not self.running:
+            info = self.cache.prefix_cache.size_info
+            assert info.protected_size == 0, "a prefix is locked with nothing running"
+
+    def is_idle_and_empty(self) -> bool:
+        """No request left and, after flush_cache, every page free."""
+        return not self.has_work and self.cache.num_free_pages == self.config.num_pages

@@ -1,0 +1,216 @@
+"""kvray.kvcache: the physical pool and the prefix caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvray.kvcache import (
+    SUPPORTED_CACHE_MANAGER,
+    MHAKVCache,
+    create_kvcache_pool,
+    create_prefix_cache,
+    div_even,
+)
+from kvray.kvcache.radix import RadixPrefixCache
+
+
+def test_div_even_splits_replicates_or_refuses():
+    assert div_even(8, 2) == 4
+    assert div_even(3, 3, allow_replicate=True) == 1
+    assert div_even(3, 9, allow_replicate=True) == 1  # TP 9 over 3 KV heads: replicate
+    assert div_even(2, 4, allow_replicate=True) == 1
+    with pytest.raises(ValueError, match="cannot be split"):
+        div_even(3, 2, allow_replicate=True)
+    with pytest.raises(ValueError, match="cannot be split"):
+        div_even(2, 4)  # replication must be asked for
+    with pytest.raises(ValueError):
+        div_even(3, 6 + 1, allow_replicate=True)
+
+
+def test_mha_pool_layout_views_and_store():
+    pool = MHAKVCache(
+        num_kv_heads=4,
+        num_layers=3,
+        head_dim=8,
+        num_pages=5,
+        page_size=4,
+        dtype=torch.float32,
+        device="cpu",
+        tp_size=2,
+    )
+    assert pool.buffer_shape == (2, 3, 5, 4, 2, 8)
+    assert pool.num_layers == 3 and pool.dtype == torch.float32
+    assert pool.device == torch.device("cpu")
+    k1 = pool.k_cache(1)
+    assert k1.shape == (5, 4, 2, 8)
+    # Views, not copies: they share the one buffer.
+    assert k1.untyped_storage().data_ptr() == pool.v_cache(2).untyped_storage().data_ptr()
+    k = torch.randn(3, 2, 8)
+    v = torch.randn(3, 2, 8)
+    out_loc = torch.tensor([5, 6, 17], dtype=torch.int32)  # page 1 slots 1,2 and page 4 slot 1
+    pool.store_kv(k, v, out_loc, layer_id=1)
+    assert torch.equal(pool.k_cache(1)[1, 1], k[0])
+    assert torch.equal(pool.k_cache(1)[1, 2], k[1])
+    assert torch.equal(pool.v_cache(1)[4, 1], v[2])
+    assert pool.k_cache(0).abs().sum() == 0 and pool.k_cache(2).abs().sum() == 0
+
+
+def test_pool_replicates_kv_heads_and_adds_dummy_page():
+    pool = create_kvcache_pool(
+        num_kv_heads=3,
+        num_layers=2,
+        head_dim=4,
+        num_pages=6,
+        page_size=2,
+        dtype=torch.bfloat16,
+        device="cpu",
+        tp_size=9,
+    )
+    assert pool.buffer_shape == (2, 2, 7, 2, 1, 4)  # 6 pages + the dummy page, 1 head
+    with pytest.raises(ValueError):
+        create_kvcache_pool(
+            num_kv_heads=3,
+            num_layers=2,
+            head_dim=4,
+            num_pages=6,
+            page_size=2,
+            dtype=torch.float32,
+            device="cpu",
+            tp_size=2,
+        )
+
+
+def test_policies_are_registered_by_name():
+    assert SUPPORTED_CACHE_MANAGER.names() == ["naive", "radix"]
+    with pytest.raises(ValueError, match="unknown prefix cache"):
+        create_prefix_cache("lru", 4)
+
+
+def test_naive_never_matches_or_holds():
+    cache = create_prefix_cache("naive", 4)
+    prefix_len, handle = cache.insert_prefix(list(range(8)), np.arange(8, dtype=np.int32))
+    assert prefix_len == 0 and handle.cached_len == 0
+    assert cache.match_prefix(list(range(8))).cached_len == 0
+    assert cache.size_info.total_size == 0
+
+
+def _slots(first_page: int, n_pages: int, ps: int) -> np.ndarray:
+    return np.arange(first_page * ps, (first_page + n_pages) * ps, dtype=np.int32)
+
+
+def test_radix_match_insert_split_and_alignment():
+    ps = 4
+    cache = RadixPrefixCache(ps)
+    ids = list(range(100, 113))  # 13 tokens: only 12 are registered
+    prefix_len, h = cache.insert_prefix(ids, _slots(0, 4, ps))
+    assert (prefix_len, h.cached_len) == (0, 12)
+    assert np.array_equal(h.get_matched_indices(), np.arange(12))
+    # A prompt diverging in the third page matches two pages and splits the node.
+    other = ids[:9] + [7, 7, 7]
+    m = cache.match_prefix(other)
+    assert m.cached_len == 8
+    assert np.array_equal(m.get_matched_indices(), np.arange(8))
+    cache.check_integrity()
+    # Inserting it shares the first 8 and adds its own third page.
+    prefix_len, h2 = cache.insert_prefix(other, np.concatenate([np.arange(8), _slots(5, 1, ps)]))
+    assert (prefix_len, h2.cached_len) == (8, 12)
+    assert cache.size_info.evictable_size == 16
+    cache.check_integrity()
+    # A match shorter than one page matches nothing.
+    assert cache.match_prefix(ids[:3]).cached_len == 0
+
+
+def test_radix_locks_protect_and_eviction_is_lru_over_leaves():
+    ps = 2
+    cache = RadixPrefixCache(ps)
+    _, a = cache.insert_prefix([1, 2, 3, 4], _slots(0, 2, ps))
+    # b shares a's first page; its own page is slots 4, 5.
+    cache.insert_prefix([1, 2, 5, 6], np.array([0, 1, 4, 5], dtype=np.int32))
+    cache.insert_prefix([9, 9], _slots(3, 1, ps))
+    assert cache.size_info.evictable_size == 8
+    cache.lock_handle(a)
+    assert cache.size_info.protected_size == 4 and cache.size_info.evictable_size == 4
+    cache.match_prefix([9, 9])  # c is now the most recently used
+    evicted = cache.evict(2)
+    assert sorted(evicted.tolist()) == [4, 5]  # b's leaf page: LRU and unlocked
+    with pytest.raises(RuntimeError):
+        cache.evict(4)  # only c's page (2 slots) is evictable
+    cache.lock_handle(a, unlock=True)
+    evicted = cache.evict(6)
+    assert sorted(evicted.tolist()) == [0, 1, 2, 3, 6, 7]
+    assert cache.size_info.total_size == 0
+    cache.check_integrity()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4]),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "match", "lock", "unlock", "evict"]),
+            st.lists(st.integers(0, 2), min_size=0, max_size=14),
+            st.integers(0, 40),
+        ),
+        max_size=40,
+    ),
+)
+def test_radix_property_against_a_dict_model(ps, ops):
+    """The tree answers like a set of registered page-aligned prefixes, and its sizes,
+    locks and eviction stay consistent under random operation sequences."""
+    cache = RadixPrefixCache(ps)
+    next_page = 0
+    held: dict[tuple, int] = {}  # registered token prefix (aligned) -> slot of its last token
+    locks: list = []
+    for op, ids, n in ops:
+        aligned = len(ids) // ps * ps
+        if op == "insert":
+            slots = _slots(next_page, max(1, aligned // ps), ps)[:aligned]
+            next_page += max(1, aligned // ps)
+            before = cache.match_prefix(ids).cached_len
+            prefix_len, h = cache.insert_prefix(ids, slots)
+            assert prefix_len == before and h.cached_len == aligned
+            got = h.get_matched_indices()
+            assert np.array_equal(got[prefix_len:], slots[prefix_len:aligned])
+            for end in range(ps, aligned + 1, ps):
+                held.setdefault(tuple(ids[:end]), int(got[end - 1]))
+        elif op == "match":
+            h = cache.match_prefix(ids)
+            expect = max([e for e in range(0, aligned + 1, ps) if e == 0 or tuple(ids[:e]) in held])
+            assert h.cached_len == expect
+            if expect:
+                assert int(h.get_matched_indices()[-1]) == held[tuple(ids[:expect])]
+        elif op == "lock":
+            h = cache.match_prefix(ids)
+            cache.lock_handle(h)
+            locks.append((h, h.get_matched_indices().copy()))
+        elif op == "unlock" and locks:
+            h, _ = locks.pop(n % len(locks))
+            cache.lock_handle(h, unlock=True)
+        elif op == "evict":
+            want = min(n, cache.size_info.evictable_size)
+            evicted = cache.evict(want)
+            assert len(evicted) >= want
+            gone = set(evicted.tolist())
+            held = {k: s for k, s in held.items() if s not in gone}
+        cache.check_integrity()
+        for h, slots in locks:  # a locked prefix is never evicted or moved
+            assert np.array_equal(h.get_matched_indices(), slots)
+            assert cache.match_prefix(_ids_of(h)).cached_len >= h.cached_len
+    for h, _ in locks:
+        cache.lock_handle(h, unlock=True)
+    cache.evict(cache.size_info.evictable_size)
+    assert cache.size_info.total_size == 0 and len(cache.root.children) == 0
+
+
+def _ids_of(handle) -> list[int]:
+    """The token ids on the path of a handle (root to its node)."""
+    parts = []
+    node = handle.node
+    while node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    return [t for key in reversed(parts) for t in key]

@@ -1,0 +1,309 @@
+"""kvray.scheduler: page accounting, prefix reuse, chunking, retraction, plans."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvray.config import SchedulerConfig
+from kvray.core import FinishReason, Req, RequestRejected, SamplingParams
+from kvray.scheduler import Scheduler
+from kvray.scheduler.sim import HashChainExecutor, reference_tokens
+
+VOCAB = 40
+EOS = 0
+
+
+def make(ps=4, num_pages=64, policy="radix", max_running=16, budget=64, max_seq_len=512):
+    cfg = SchedulerConfig(
+        num_pages=num_pages,
+        page_size=ps,
+        max_running_reqs=max_running,
+        max_prefill_tokens=budget,
+        max_seq_len=max_seq_len,
+        cache_policy=policy,
+    )
+    sched = Scheduler(cfg, eos_token_ids=[EOS])
+    ex = HashChainExecutor(
+        (num_pages + 1) * ps, max_running, sched.table.page_table.shape[1], VOCAB
+    )
+    return sched, ex
+
+
+def run_to_end(sched, ex, overlap=False, max_steps=20_000):
+    """Drive the scheduler like an engine; returns {rid: [tokens]} and checks integrity."""
+    outs: dict[int, list[int]] = {}
+    pending = []
+    for _ in range(max_steps):
+        if not sched.has_work:
+            break
+        plan = sched.step()
+        if plan is not None:
+            pending.append(ex.execute(plan))
+        if pending and (plan is None or not overlap or len(pending) > 1):
+            for ev in sched.process_result(pending.pop(0)):
+                if ev.token_id is not None:
+                    outs.setdefault(ev.rid, []).append(ev.token_id)
+        sched.check_integrity()
+    else:
+        raise AssertionError("scheduler did not drain: livelock or deadlock")
+    return outs
+
+
+def rand_prompt(rng, bases, max_len=60):
+    base = rng.choice(bases)
+    p = base[: rng.randrange(1, len(base) + 1)]
+    p = p + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(0, 12))]
+    return p[:max_len]
+
+
+def test_seed_worked_examples():
+    # page_size=4 with three free pages: free_slots [0, 4, 8] expand to token slots 0..11.
+    sched, ex = make(ps=4, num_pages=3, max_seq_len=12)
+    cm = sched.cache
+    assert cm.free_slots.tolist() == [0, 4, 8]
+    assert cm._page_to_token(cm.free_slots).tolist() == list(range(12))
+    # A two-request batch: out_loc is page_table[rows, positions] in batch order.
+    sched.add_request(0, [5, 6, 7], SamplingParams(max_tokens=2))
+    sched.add_request(1, [8, 9, 10, 11, 12], SamplingParams(max_tokens=2))
+    plan = sched.step()
+    assert plan.extend_lens.tolist() == [3, 5]
+    rows = np.repeat(plan.rows, plan.extend_lens)
+    positions = np.r_[0:3, 0:5]
+    assert np.array_equal(plan.out_loc, sched.table.page_table[rows, positions])
+    # Request 0 got one page, request 1 two pages; slots within a page are consecutive.
+    assert plan.out_loc[0] % 4 == 0 and plan.out_loc[:3].tolist() == list(
+        range(plan.out_loc[0], plan.out_loc[0] + 3)
+    )
+    assert sorted({int(s) // 4 for s in plan.out_loc}) == [0, 1, 2]
+    assert plan.fill_ids.tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    sched.process_result(ex.execute(plan))
+    run_to_end(sched, ex)
+    sched.flush_cache()
+    assert sched.is_idle_and_empty()
+
+
+def test_rejects_requests_that_can_never_fit():
+    sched, _ = make(ps=4, num_pages=4, max_seq_len=64)  # the pool holds 16 tokens
+    with pytest.raises(RequestRejected, match="exceeds") as err:
+        sched.add_request(0, list(range(1, 11)), SamplingParams(max_tokens=7))
+    assert err.value.param == "max_tokens"
+    with pytest.raises(RequestRejected, match="empty"):
+        sched.add_request(1, [], SamplingParams())
+    sched.add_request(2, list(range(1, 11)), SamplingParams(max_tokens=6))  # 16 fits
+    assert not sched.reqs.keys() - {2}
+
+
+def test_decode_grows_page_by_page_and_retracts_instead_of_reserving():
+    # Four requests that each need the whole pool eventually: all are admitted at once
+    # (nothing reserved up front), the pool runs dry, the newest are retracted, and every
+    # request still finishes with exactly the tokens it would have produced alone.
+    sched, ex = make(ps=4, num_pages=8, max_seq_len=32)
+    prompts = [[7, 1 + i, 3, 4] for i in range(4)]
+    for rid, p in enumerate(prompts):
+        sched.add_request(rid, p, SamplingParams(max_tokens=28, ignore_eos=True))
+    plan = sched.step()
+    assert len(sched.running) == 4 and plan.batch_size == 4
+    first = {ev.rid: ev.token_id for ev in sched.process_result(ex.execute(plan))}
+    outs = run_to_end(sched, ex)
+    assert sched.stats.num_preemptions > 0
+    for rid, p in enumerate(prompts):
+        assert [first[rid], *outs[rid]] == reference_tokens(p, 28, VOCAB, frozenset())
+    sched.flush_cache()
+    assert sched.is_idle_and_empty()
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_prefix_reuse_computes_only_the_new_tail(ps):
+    rng = random.Random(ps)
+    shared = [rng.randrange(1, VOCAB) for _ in range(200)]
+    second = shared + [rng.randrange(1, VOCAB) for _ in range(37)]
+    results = {}
+    for policy in ("radix", "naive"):
+        sched, ex = make(ps=ps, num_pages=1024 // ps, policy=policy, budget=64)
+        sched.add_request(0, shared + [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+        run_to_end(sched, ex)
+        req = sched.add_request(1, second, SamplingParams(max_tokens=8, ignore_eos=True))
+        results[policy] = run_to_end(sched, ex)[1]
+        results[policy + "_computed"] = req.num_computed_prefill
+    assert results["radix_computed"] <= len(second) - 200 + ps
+    assert results["naive_computed"] == len(second)
+    assert results["radix"] == results["naive"] == reference_tokens(second, 8, VOCAB, frozenset())
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    sched, ex = make(ps=4, budget=16)
+    prompt = list(range(1, 51))
+    sched.add_request(0, prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+    sched.add_request(1, [9, 9, 9], SamplingParams(max_tokens=5, ignore_eos=True))
+    outs: dict[int, list[int]] = {}
+    while sched.has_work:
+        plan = sched.step()
+        prefill = int(plan.fill_lens.sum())
+        assert prefill <= 16
+        for ev in sched.process_result(ex.execute(plan)):
+            outs.setdefault(ev.rid, []).append(ev.token_id)
+        sched.check_integrity()
+    assert outs[0] == reference_tokens(prompt, 5, VOCAB, frozenset())
+    assert outs[1] == reference_tokens([9, 9, 9], 5, VOCAB, frozenset())
+
+
+def test_abort_anywhere_frees_everything():
+    sched, ex = make(ps=4, num_pages=32)
+    for rid in range(6):
+        sched.add_request(rid, [1, 2, 3, 4, 5, 6, rid + 1], SamplingParams(max_tokens=50))
+    plan = sched.step()  # all admitted
+    sched.process_result(ex.execute(plan))
+    plan = sched.step()  # a decode step in flight
+    ev = sched.abort(2)
+    assert ev.finish_reason is FinishReason.ABORT
+    assert sched.abort(2) is None  # already gone
+    sched.check_integrity()
+    sched.process_result(ex.execute(plan))  # the in-flight token of 2 is dropped
+    for rid in (0, 1, 3, 4, 5):
+        sched.abort(rid)
+    sched.check_integrity()
+    assert not sched.has_work
+    sched.flush_cache()
+    assert sched.is_idle_and_empty()
+
+
+def test_plan_is_a_delta_whose_size_grows_with_batch_not_context():
+    def decode_plan_bytes(batch, context):
+        sched, ex = make(
+            ps=16,
+            num_pages=(batch * (context + 64)) // 16 + 16,
+            max_running=batch,
+            budget=batch * context,
+            max_seq_len=context + 64,
+        )
+        for rid in range(batch):
+            prompt = [1 + rid % 30] + [(rid * 7 + i) % 39 + 1 for i in range(context - 1)]
+            sched.add_request(rid, prompt, SamplingParams(max_tokens=32, ignore_eos=True))
+        sched.process_result(ex.execute(sched.step()))  # prefill
+        plan = sched.step()  # decode
+        assert plan.fill_ids.size == 0 and not plan.table_writes and not plan.admitted
+        return len(pickle.dumps(plan))
+
+    small, long = decode_plan_bytes(8, 64), decode_plan_bytes(8, 1024)
+    assert small == long
+    # Each extra decoding request adds its row, start, length, slot, fill length and
+    # sample flag: at least 16 bytes, whatever its context.
+    assert decode_plan_bytes(64, 64) - small >= 56 * 16
+
+
+def test_finished_request_counts_and_cache_hits():
+    sched, ex = make(ps=4)
+    p = [3] * 21
+    sched.add_request(0, p, SamplingParams(max_tokens=3, ignore_eos=True))
+    run_to_end(sched, ex)
+    sched.add_request(1, p, SamplingParams(max_tokens=3, ignore_eos=True))
+    run_to_end(sched, ex)
+    assert sched.stats.prefix_query_tokens == 42
+    assert sched.stats.prefix_hit_tokens == 20  # 21 - 1 tokens, aligned down to pages
+    assert sched.stats.num_finished == 2
+
+
+# -- the property test -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+@pytest.mark.parametrize("policy", ["radix", "naive"])
+@settings(
+    max_examples=250,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_random_sequences_keep_every_invariant(ps, policy, data):
+    pool_tokens = data.draw(st.integers(48, 192), label="pool_tokens")
+    num_pages = max(pool_tokens // ps, 3)
+    sched, ex = make(
+        ps=ps,
+        num_pages=num_pages,
+        policy=policy,
+        max_running=data.draw(st.integers(1, 6), label="rows"),
+        budget=data.draw(st.integers(1, 48), label="budget"),
+        max_seq_len=96,
+    )
+    overlap = data.draw(st.booleans(), label="overlap")
+    rng = random.Random(data.draw(st.integers(0, 2**32), label="seed"))
+    bases = [[rng.randrange(1, VOCAB) for _ in range(50)] for _ in range(2)]
+    prompts: dict[int, tuple[list[int], SamplingParams]] = {}
+    outs: dict[int, list[int]] = {}
+    aborted: set[int] = set()
+    pending = []
+    next_rid = 0
+    limit = sched.max_seq_len
+
+    def take(result):
+        for ev in sched.process_result(result):
+            if ev.token_id is not None:
+                outs.setdefault(ev.rid, []).append(ev.token_id)
+            if ev.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and policy == "radix":
+                # A finished request's prefix is matched by the next identical prompt.
+                prompt = prompts[ev.rid][0]
+                probe = Req(rid=-1, input_ids=list(prompt), sampling=SamplingParams())
+                assert sched.cache.match_req(probe).cached_len == (len(prompt) - 1) // ps * ps
+
+    ops = data.draw(
+        st.lists(
+            st.sampled_from(["add", "add", "step", "step", "step", "abort"]),
+            min_size=20,
+            max_size=80,
+        ),
+        label="ops",
+    )
+    for op in ops:
+        if op == "add":
+            prompt = rand_prompt(rng, bases)
+            sp = SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=rng.random() < 0.3)
+            if len(prompt) + sp.max_tokens > limit:
+                with pytest.raises(RequestRejected):
+                    sched.add_request(next_rid, prompt, sp)
+            else:
+                sched.add_request(next_rid, prompt, sp)
+                prompts[next_rid] = (prompt, sp)
+            next_rid += 1
+        elif op == "step":
+            plan = sched.step()
+            if plan is not None:
+                pending.append(ex.execute(plan))
+            if pending and (plan is None or not overlap or len(pending) > 1):
+                take(pending.pop(0))
+        elif op == "abort" and sched.reqs:
+            rid = rng.choice(sorted(sched.reqs))
+            sched.abort(rid)
+            aborted.add(rid)
+        sched.check_integrity()
+        # The worker's mirror, with the writes journaled for the next plan, agrees with the
+        # scheduler's table on every computed position.
+        mirror = ex.page_table.copy()
+        for w in sched.table.pending_writes:
+            mirror[w.row, w.start : w.start + len(w.slots)] = w.slots
+        for req in sched.running:
+            n, row = req.cached_len, req.table_idx
+            assert np.array_equal(mirror[row, :n], sched.table.page_table[row, :n])
+    # Drain, then every output must equal what the request produces alone.
+    for result in pending:
+        take(result)
+    for rid, tokens in run_to_end(sched, ex, overlap=overlap).items():
+        outs.setdefault(rid, []).extend(tokens)
+    for rid, (prompt, sp) in prompts.items():
+        stop = frozenset() if sp.ignore_eos else frozenset([EOS])
+        ref = reference_tokens(prompt, sp.max_tokens, VOCAB, stop)
+        got = outs.get(rid, [])
+        if rid in aborted:
+            assert got == ref[: len(got)]
+        else:
+            assert got == ref
+    event(f"retracted: {sched.stats.num_preemptions > 0}")
+    event(f"evicted: {sched.cache.evicted_pages > 0}")
+    event(f"finished: {min(sched.stats.num_finished, 10) // 5 * 5}+")
+    sched.flush_cache()
+    assert sched.is_idle_and_empty()
