@@ -110,6 +110,7 @@ class Req:
     num_computed_prefill: int = 0  # prompt tokens this request actually computed (not cached)
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at admission
     stop_ids: frozenset[int] = frozenset()  # token ids that end this request (EOS + stop ids)
+    seed: int = 0  # the sampler's seed: sampling.seed, or one the engine drew for it
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -154,6 +155,7 @@ class Admission:
     row: int
     rid: int
     sampling: SamplingParams
+    seed: int  # fixed per request, so every rank (and a replay) draws the same tokens
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,12 @@ def _instant(plan: StepPlan, rng: random.Random) -> StepResult:
 
 
 def bench_decode(
-    page_size: int, running: int = 256, steps: int = 500, policy: str = "radix",
-    prompt_len: int = 128, seed: int = 0,
+    page_size: int,
+    running: int = 256,
+    steps: int = 500,
+    policy: str = "radix",
+    prompt_len: int = 128,
+    seed: int = 0,
 ) -> SchedulerBenchResult:
     rng = random.Random(seed)
     max_seq_len = prompt_len + steps + 64
@@ -78,8 +82,13 @@ def bench_decode(
     ms = [t * 1e3 for t in times]
     ms.sort()
     return SchedulerBenchResult(
-        page_size, policy, running, steps,
-        mean_ms=statistics.fmean(ms), p50_ms=ms[len(ms) // 2], p99_ms=ms[int(len(ms) * 0.99)],
+        page_size,
+        policy,
+        running,
+        steps,
+        mean_ms=statistics.fmean(ms),
+        p50_ms=ms[len(ms) // 2],
+        p99_ms=ms[int(len(ms) * 0.99)],
     )
 
 
@@ -98,8 +107,14 @@ def main(argv: list[str] | None = None) -> list[SchedulerBenchResult]:
         print(f"{r.page_size:>9} {r.mean_ms:>8.3f} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"summary": {f"ps{r.page_size}_mean_ms": r.mean_ms for r in results},
-                       "results": [asdict(r) for r in results]}, f, indent=2)
+            json.dump(
+                {
+                    "summary": {f"ps{r.page_size}_mean_ms": r.mean_ms for r in results},
+                    "results": [asdict(r) for r in results],
+                },
+                f,
+                indent=2,
+            )
     return results
 
 

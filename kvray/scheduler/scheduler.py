@@ -8,6 +8,7 @@ here depends on lengths only, never on the values of in-flight tokens.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -47,7 +48,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self, config: SchedulerConfig, eos_token_ids: Iterable[int] = (), seed: int = 0
+    ) -> None:
         self.config = config
         self.page_size = config.page_size
         self.max_seq_len = config.effective_max_seq_len
@@ -65,6 +68,7 @@ class Scheduler:
         self._inflight: dict[int, list[Req]] = {}  # step_id -> requests sampled by it
         self._next_step_id = 0
         self.stats = SchedulerStats()
+        self._seeds = random.Random(seed)
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -86,19 +90,28 @@ class Scheduler:
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop |= self.eos_token_ids
-        req = Req(rid=rid, input_ids=list(input_ids), sampling=sampling, stop_ids=frozenset(stop))
+        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
+        req = Req(
+            rid=rid,
+            input_ids=list(input_ids),
+            sampling=sampling,
+            stop_ids=frozenset(stop),
+            seed=seed,
+        )
         self.reqs[rid] = req
         self.waiting.append(req)
         return req
 
-    def abort(self, rid: int) -> TokenEvent | None:
-        """Cancel a request wherever it is; its pages go back at once. None if unknown."""
+    def abort(self, rid: int, reason: FinishReason = FinishReason.ABORT) -> TokenEvent | None:
+        """End a request wherever it is (cancelled, or a stop string the front end saw);
+        its pages go back at once. None if it is unknown or already finished."""
         req = self.reqs.get(rid)
         if req is None:
             return None
-        self._finish(req, FinishReason.ABORT)
-        self.stats.num_aborted += 1
-        return TokenEvent(rid, None, finish_reason=FinishReason.ABORT)
+        self._finish(req, reason)
+        if reason is FinishReason.ABORT:
+            self.stats.num_aborted += 1
+        return TokenEvent(rid, None, finish_reason=reason)
 
     @property
     def has_work(self) -> bool:
@@ -156,7 +169,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 self.running.append(req)
-                admitted.append(Admission(req.table_idx, req.rid, req.sampling))
+                admitted.append(Admission(req.table_idx, req.rid, req.sampling, req.seed))
                 n_prompt = len(req.input_ids)
                 self.stats.prefix_query_tokens += n_prompt
                 self.stats.prefix_hit_tokens += req.cached_len

@@ -1,0 +1,66 @@
+"""Attention backends that write and read an `MHAKVCache` during the forward pass."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+from kvray.attention.base import AttentionBackend, AttnMetadata
+from kvray.kvcache.mha_pool import MHAKVCache
+from kvray.registry import Registry
+
+BackendFactory = Callable[[MHAKVCache, int, int, float], AttentionBackend]
+ATTENTION_BACKENDS: Registry[BackendFactory] = Registry("attention backend")
+
+
+@ATTENTION_BACKENDS.register("torch")
+def _create_torch(
+    kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
+) -> AttentionBackend:
+    from kvray.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend(kvcache, num_q_heads_local, head_dim, scale)
+
+
+@ATTENTION_BACKENDS.register("flash_attn")
+def _create_flash_attn(
+    kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
+) -> AttentionBackend:
+    from kvray.attention.flash_attn_backend import FlashAttnBackend
+
+    return FlashAttnBackend(kvcache, num_q_heads_local, head_dim, scale)
+
+
+def resolve_backend_name(name: str, kvcache: MHAKVCache) -> str:
+    """Resolve "auto": "flash_attn" when it can run (CUDA pool, flash-attn installed,
+    page_size a multiple of 256), else "torch". Other names pass through unchanged."""
+    if name != "auto":
+        return name
+    usable = (
+        kvcache.device.type == "cuda"
+        and kvcache.page_size % 256 == 0
+        and importlib.util.find_spec("flash_attn") is not None
+    )
+    return "flash_attn" if usable else "torch"
+
+
+def backend_names() -> list[str]:
+    """Choices for a CLI / config: "auto" plus every registered backend."""
+    return ["auto", *ATTENTION_BACKENDS.names()]
+
+
+def create_attention_backend(
+    name: str, kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
+) -> AttentionBackend:
+    factory = ATTENTION_BACKENDS.get(resolve_backend_name(name, kvcache))
+    return factory(kvcache, num_q_heads_local, head_dim, scale)
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "AttnMetadata",
+    "backend_names",
+    "create_attention_backend",
+    "resolve_backend_name",
+]

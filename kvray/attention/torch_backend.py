@@ -1,0 +1,85 @@
+"""The "torch" backend: paged attention from plain torch ops (any device, any page size).
+
+Per step, requests are split into at most two groups, decodes (one query token) and
+extends (prefill, chunked prefill, prefix-cached prefill). Each group runs as ONE padded
+SDPA call: queries are gathered into [B, max_q, Hq, D], keys/values gathered from the pool
+through the page table into [B, max_k, Hkv, D], and a boolean mask enforces both the
+causal rule and each request's length. Grouping keeps a few long prefills from padding
+hundreds of decodes out to their length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvray.attention.base import AttentionBackend, AttnMetadata
+
+
+@dataclass(frozen=True)
+class _Group:
+    q_index: torch.Tensor  # int64 [B, Lq]: row of q for each (request, query offset)
+    padded_rows: torch.Tensor  # int64 [N]: rows of the flattened [B * Lq] output that are real
+    tokens: torch.Tensor  # int64 [N]: where those rows go in the flat [T] output
+    slots: torch.Tensor  # int64 [B, Lk]: KV slots of key positions 0..Lk-1
+    mask: torch.Tensor  # bool [B, 1, Lq, Lk]: True where the query may see the key
+
+
+def _make_group(meta: AttnMetadata, reqs: torch.Tensor) -> _Group:
+    lens_q = meta.seq_lens_q[reqs].long()
+    lens_k = meta.seq_lens_k[reqs].long()
+    first = meta.cu_seqlens_q[reqs].long()
+    max_q, max_k = int(lens_q.max()), int(lens_k.max())
+    device = lens_q.device
+    off = torch.arange(max_q, device=device)[None, :]
+    # Padding queries repeat the request's last token: their rows are computed, never used.
+    q_index = first[:, None] + torch.minimum(off, lens_q[:, None] - 1)
+    padded_rows = (off < lens_q[:, None]).flatten().nonzero().squeeze(1)
+    q_pos = (lens_k - lens_q)[:, None] + off  # [B, Lq]
+    k_pos = torch.arange(max_k, device=device)
+    # Causal and in-range. A padding query sits past its request's last position, so it
+    # still sees key 0: no row is fully masked (which would give NaN).
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+        k_pos[None, None, :] < lens_k[:, None, None]
+    )
+    return _Group(
+        q_index=q_index,
+        padded_rows=padded_rows,
+        tokens=q_index.flatten()[padded_rows],
+        slots=meta.page_table[reqs, :max_k],
+        mask=mask.unsqueeze(1),
+    )
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def prepare(self, meta: AttnMetadata) -> None:
+        super().prepare(meta)
+        is_decode = meta.seq_lens_q == 1
+        self._groups = [
+            _make_group(meta, reqs)
+            for reqs in (is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1))
+            if reqs.numel() > 0
+        ]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        meta = self._prepared()
+        # Write first: this step's keys are read back below together with older ones.
+        self.kvcache.store_kv(k, v, meta.out_loc, layer_id)
+        k_pool, v_pool = self.kvcache.k_flat(layer_id), self.kvcache.v_flat(layer_id)
+        gqa = self.num_q_heads != self.kvcache.local_kv_heads
+        out = q.new_empty(q.shape)
+        for g in self._groups:
+            o = F.scaled_dot_product_attention(
+                q[g.q_index].transpose(1, 2),  # [B, Hq, Lq, D]
+                k_pool[g.slots].to(q.dtype).transpose(1, 2),  # [B, Hkv, Lk, D]
+                v_pool[g.slots].to(q.dtype).transpose(1, 2),
+                attn_mask=g.mask,
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
+            out[g.tokens] = o.transpose(1, 2).flatten(0, 1)[g.padded_rows]
+        return out.flatten(1)

@@ -1,0 +1,1 @@
+"""Ray wiring and the engines: in-process (`LocalEngine`), the offline `LLM` API."""

@@ -1,0 +1,112 @@
+"""EngineSpec: an EngineConfig resolved against a real checkpoint (one home for the rules
+that turn "auto"/None knobs into numbers), shared by the in-process and Ray engines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvray.config import EngineConfig, SchedulerConfig
+from kvray.kvcache.base import div_even
+from kvray.models import ModelConfig
+from kvray.workers.worker import WorkerSpec
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def resolve_model_path(model: str | None, progress: bool = True) -> Path:
+    """A checkpoint directory; None means the embedded SmolLM2 (converted once, cached)."""
+    if model is None:
+        from kvray.models.embedded import ensure_embedded_model
+
+        return ensure_embedded_model(progress=progress)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{model!r} is not a Hugging Face checkpoint directory (no config.json); "
+            "kvray loads local checkpoints only"
+        )
+    return path
+
+
+def resolve_dtype(requested: str, checkpoint: torch.dtype) -> str:
+    """ "auto" follows the checkpoint, except that float32 checkpoints run in bfloat16
+    (as vLLM does); ask for "float32" explicitly for exact-reference runs."""
+    if requested != "auto":
+        return requested
+    if checkpoint == torch.float32:
+        return "bfloat16"
+    return _DTYPE_NAMES.get(checkpoint, "bfloat16")
+
+
+def _eos_ids(path: Path, model_config: ModelConfig) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (chat models often add the
+    end-of-turn token only in the latter)."""
+    ids = set(model_config.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(t) for t in eos)
+    return tuple(sorted(ids))
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    config: EngineConfig
+    model_path: Path
+    model_config: ModelConfig
+    dtype: str
+    num_pages: int
+    max_seq_len: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @classmethod
+    def resolve(cls, config: EngineConfig, progress: bool = True) -> EngineSpec:
+        path = resolve_model_path(config.model, progress)
+        mc = ModelConfig.from_pretrained(path)
+        div_even(mc.num_heads, config.tp_size)  # q heads must split evenly over TP ranks
+        div_even(mc.num_kv_heads, config.tp_size, allow_replicate=True)
+        dtype = resolve_dtype(config.dtype, mc.dtype)
+        num_pages = config.num_pages
+        if num_pages is None:
+            local_kv = div_even(mc.num_kv_heads, config.tp_size, allow_replicate=True)
+            itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+            page_bytes = 2 * mc.num_layers * config.page_size * local_kv * mc.head_dim * itemsize
+            num_pages = max(int(config.kv_cache_memory_gb * 2**30) // page_bytes, 1)
+        max_seq_len = config.max_seq_len or mc.max_position_embeddings
+        max_seq_len = min(max_seq_len, mc.max_position_embeddings, num_pages * config.page_size)
+        return cls(
+            config=config,
+            model_path=path,
+            model_config=mc,
+            dtype=dtype,
+            num_pages=num_pages,
+            max_seq_len=max_seq_len,
+            eos_token_ids=_eos_ids(path, mc),
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.config.scheduler_config(self.num_pages, self.max_seq_len)
+
+    def worker_spec(self, device: str) -> WorkerSpec:
+        c = self.config
+        return WorkerSpec(
+            model_path=str(self.model_path),
+            dtype=self.dtype,
+            device=device,
+            num_pages=self.num_pages,
+            page_size=c.page_size,
+            max_running_reqs=c.max_running_reqs,
+            max_seq_len=self.max_seq_len,
+            attention_backend=c.attention_backend,
+        )

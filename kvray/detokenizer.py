@@ -1,0 +1,92 @@
+"""Incremental detokenization with stop strings, shared by the offline LLM and the server.
+
+Text is produced token by token without ever splitting a multi-byte character: a token
+whose bytes do not yet complete a character decodes to U+FFFD and is held until they do.
+Each delta is the difference between decoding a short window of ids with and without
+the new ones, so leading-space rules of SentencePiece/BPE tokenizers come out right. Text
+that could be the start of a stop string is held back until it is known not to be; when
+a stop string appears, the text is cut before it and `stopped` is set. The concatenation
+of every `push` and the final `flush` equals `text`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_PREFIX_WINDOW = 5  # prompt tokens decoded as context for the first output token
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(stop)
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._ids = list(prompt_ids[-_PREFIX_WINDOW:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # all output text so far (cut at a stop string)
+        self._emitted = 0  # chars of `text` already returned
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _delta(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return full[len(prefix) :]
+        return ""
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; returns the text that is now safe to show."""
+        if self.stopped:
+            return ""
+        delta = self._delta(token_id)
+        if not delta:
+            return ""
+        self.text += delta
+        if self.stop:
+            window = max(0, len(self.text) - len(delta) - self._max_stop + 1)
+            hits = [i for s in self.stop if (i := self.text.find(s, window)) >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+                return self._take(len(self.text))
+            return self._take(len(self.text) - self._held_back())
+        return self._take(len(self.text))
+
+    def flush(self) -> str:
+        """The request ended: return what was held back (an unfinished character or a
+        possible stop-string prefix that never completed)."""
+        if not self.stopped:
+            tail = self._decode(self._ids[self._prefix_offset :])
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            if len(tail) > len(prefix):
+                self.text += tail[len(prefix) :]
+                self._prefix_offset = self._read_offset = len(self._ids)
+        return self._take(len(self.text))
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of `text` that begins some stop string."""
+        for k in range(min(self._max_stop - 1, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
+    def _take(self, end: int) -> str:
+        end = max(end, self._emitted)
+        out = self.text[self._emitted : end]
+        self._emitted = end
+        return out

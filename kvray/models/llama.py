@@ -1,0 +1,163 @@
+"""The Llama family (Llama, Qwen2, Qwen3) as one tensor-parallel implementation.
+
+The batch is flat: the tokens of every request are concatenated, and attention (which alone
+needs to know where one request ends) is delegated to an `AttentionBackend` that the caller
+has already `prepare`d for this step. Module names mirror the Hugging Face checkpoint, with
+q/k/v merged into `qkv_proj` and gate/up into `gate_up_proj`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvray.kvcache.base import div_even
+from kvray.models.config import ModelConfig
+from kvray.models.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+    shard,
+)
+from kvray.models.tp import TPGroup
+
+if TYPE_CHECKING:  # the model only calls attn.forward; it never builds a backend
+    from kvray.attention.base import AttentionBackend
+
+
+def _scale(s: slice, k: int) -> slice:
+    return slice(s.start * k, s.stop * k)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, layer_id: int) -> None:
+        super().__init__()
+        d = config.head_dim
+        q_heads = shard(config.num_heads, tp)
+        kv_heads = shard(config.num_kv_heads, tp, replicate=True)
+        self.layer_id = layer_id
+        self.head_dim = d
+        self.num_q_heads = q_heads.stop - q_heads.start  # local
+        self.num_kv_heads = kv_heads.stop - kv_heads.start  # local
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [_scale(q_heads, d), _scale(kv_heads, d), _scale(kv_heads, d)],
+            bias=config.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(
+            _scale(q_heads, d), config.hidden_size, bias=config.o_bias, tp=tp
+        )
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_q_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1
+        )
+        q = q.reshape(t, self.num_q_heads, d)
+        k = k.reshape(t, self.num_kv_heads, d)
+        v = v.reshape(t, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(attn.forward(q, k, v, self.layer_id))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        cols = shard(config.intermediate_size, tp)
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [cols, cols], bias=config.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(cols, config.hidden_size, config.mlp_bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, tp)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp, i) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """One TP shard of the model. Parameters are allocated uninitialised on `device` in
+    `dtype`; `kvray.models.loader.load_model` fills them from a checkpoint."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        div_even(config.num_heads, tp.size)  # q heads split evenly, never replicated
+        self.config = config
+        self.tp = tp
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # What this shard's attention backend and KV pool must be built for.
+        self.num_q_heads_local = config.num_heads // tp.size
+        self.num_kv_heads_local = div_even(config.num_kv_heads, tp.size, allow_replicate=True)
+        self.attn_scale = config.head_dim**-0.5
+        with torch.device("meta"):  # build shapes only; real memory comes once, in `dtype`
+            self.model = LlamaModel(config, tp)
+            self.lm_head = (
+                self.model.embed_tokens
+                if config.tie_word_embeddings
+                else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            )
+        self.to(dtype)
+        self.to_empty(device=self.device)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, self.device
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] (flat batch). Returns float32 logits [S, vocab_size]
+        for the rows `logits_indices` only. `attn` must be prepared for this batch."""
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, attn)
+        h = self.model.norm(h[logits_indices])
+        return self.lm_head.logits(h).float()

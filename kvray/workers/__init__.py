@@ -1,0 +1,1 @@
+"""Per-GPU workers: model shard + KV pool + attention backend; they execute StepPlans."""
