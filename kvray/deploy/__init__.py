@@ -1,0 +1,1 @@
+"""The front: OpenAI-compatible serving (Ray Serve), tokenizer plumbing, metrics, CLI."""
