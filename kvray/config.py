@@ -59,6 +59,8 @@ class EngineConfig(BaseModel):
     max_seq_len: int | None = Field(default=None, gt=1, description="None = the model's context")
     attention_backend: str = "auto"
     seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when the cluster has GPUs
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
     def scheduler_config(self, num_pages: int, max_seq_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -72,6 +72,9 @@ class RequestRejected(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type[RequestRejected], tuple[str, str | None]]:
+        return (type(self), (str(self), self.param))  # keeps `param` across processes
+
 
 class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued (new or retracted); holds no row, no page, no lock
@@ -212,6 +215,8 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     finish_reason: FinishReason | None = None
+    error: str | None = None  # set when the engine ended the request because it failed
+    num_cached_tokens: int | None = None  # on the finishing event: prompt tokens from cache
 
     @property
     def finished(self) -> bool:

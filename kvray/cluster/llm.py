@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvray.cluster.engine_core import EngineFailed
 from kvray.cluster.local import LocalEngine
 from kvray.cluster.spec import EngineSpec
 from kvray.config import EngineConfig
-from kvray.core import FinishReason, Req, RequestRejected, SamplingParams
+from kvray.core import FinishReason, RequestRejected, SamplingParams, TokenEvent
 from kvray.detokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
+
+if TYPE_CHECKING:
+    from kvray.cluster.engine import Engine
 
 
 @dataclass
@@ -45,7 +49,9 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
 class LLM:
     """Offline batch generation. `model=None` serves the embedded SmolLM2-135M-Instruct.
 
-    tp_size 1 runs in this process; larger TP sizes need the Ray engine.
+    tp_size 1 runs in this process (unless `use_ray`); larger TP sizes start an `Engine`
+    on Ray (joining `address` / RAY_ADDRESS, or a local cluster). Call `shutdown()` (or use
+    the LLM as a context manager) to release a Ray engine's actors.
     """
 
     def __init__(
@@ -61,6 +67,9 @@ class LLM:
         max_seq_len: int | None = None,
         attention_backend: str = "auto",
         seed: int = 0,
+        use_ray: bool | None = None,
+        compiled: bool = True,
+        address: str | None = None,
         progress: bool = True,
     ) -> None:
         self.config = EngineConfig(
@@ -76,18 +85,41 @@ class LLM:
             attention_backend=attention_backend,
             seed=seed,
         )
-        if tp_size != 1:
-            raise NotImplementedError(
-                "tp_size > 1 runs on the Ray engine, which this build does not have yet"
-            )
-        self.spec = EngineSpec.resolve(self.config, progress=progress)
+        self.engine: LocalEngine | Engine
+        if use_ray or (use_ray is None and tp_size > 1):
+            from kvray.cluster.engine import Engine
+
+            self.engine = Engine(self.config, compiled=compiled, address=address, progress=progress)
+            self.spec = self.engine.spec
+        else:
+            self.spec = EngineSpec.resolve(self.config, progress=progress)
+            self.engine = LocalEngine(self.config, self.spec)
         self.tokenizer = load_tokenizer(self.spec.model_path)
-        self.engine = LocalEngine(self.config, self.spec)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        if not isinstance(self.engine, LocalEngine):
+            self.engine.shutdown()
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
         return list(prompt)
+
+    def _submit(self, ids: list[int], sp: SamplingParams) -> int:
+        if isinstance(self.engine, LocalEngine):
+            return self.engine.add_request(ids, sp)
+        return self.engine.submit(ids, sp)
+
+    def _events(self, live: set[int]) -> list[TokenEvent]:
+        if isinstance(self.engine, LocalEngine):
+            return self.engine.step()
+        return self.engine.poll(sorted(live))
 
     def generate(
         self,
@@ -112,39 +144,44 @@ class LLM:
         outputs: dict[int, CompletionOutput] = {}
         detoks: dict[int, IncrementalDetokenizer] = {}
         order: list[int] = []
-        reqs: dict[int, Req] = {}
+        live: set[int] = set()
         try:
             for ids, sp in zip(prompt_ids, params, strict=True):
-                rid = self.engine.add_request(ids, sp)
-                reqs[rid] = self.engine.scheduler.reqs[rid]
+                rid = self._submit(ids, sp)
                 order.append(rid)
+                live.add(rid)
                 outputs[rid] = CompletionOutput(prompt_token_ids=ids)
                 detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
-            live = set(order)
             while live:
-                for ev in self.engine.step():
-                    out = outputs[ev.rid]
-                    detok = detoks[ev.rid]
-                    if ev.token_id is not None:
-                        out.token_ids.append(ev.token_id)
-                        if ev.logprob is not None:
-                            out.logprobs.append(ev.logprob)
-                        detok.push(ev.token_id)
-                        if detok.stopped and not ev.finished:
-                            self.engine.abort(ev.rid, FinishReason.STOP)
-                            out.finish_reason = FinishReason.STOP.value
-                    if ev.finished and out.finish_reason is None:
-                        out.finish_reason = ev.finish_reason.value  # type: ignore[union-attr]
-                    if out.finish_reason is not None and ev.rid in live:
-                        detok.flush()
-                        out.text = detok.text
-                        out.num_cached_tokens = reqs[ev.rid].num_cached_prompt
+                for ev in self._events(live):
+                    if ev.rid not in live:
+                        continue
+                    self._apply(ev, outputs[ev.rid], detoks[ev.rid])
+                    if outputs[ev.rid].finish_reason is not None:
                         live.discard(ev.rid)
         except BaseException:
-            for rid in order:
+            for rid in live:
                 self.engine.abort(rid)
             raise
         return [outputs[rid] for rid in order]
+
+    def _apply(self, ev: TokenEvent, out: CompletionOutput, detok: IncrementalDetokenizer) -> None:
+        if ev.error is not None:
+            raise EngineFailed(ev.error)
+        if ev.token_id is not None:
+            out.token_ids.append(ev.token_id)
+            if ev.logprob is not None:
+                out.logprobs.append(ev.logprob)
+            detok.push(ev.token_id)
+            if detok.stopped and not ev.finished:
+                self.engine.abort(ev.rid, FinishReason.STOP)
+                out.finish_reason = FinishReason.STOP.value
+        if ev.finished and out.finish_reason is None:
+            out.finish_reason = ev.finish_reason.value  # type: ignore[union-attr]
+        if out.finish_reason is not None:
+            detok.flush()
+            out.text = detok.text
+            out.num_cached_tokens = ev.num_cached_tokens or out.num_cached_tokens
 
     def chat(
         self,

@@ -102,6 +102,22 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
+    def readmit(self, req: Req) -> None:
+        """Queue a request carried over from another scheduler (the workers were rebuilt
+        and every K/V is gone): it keeps its tokens, prompt length, budget and seed, and
+        recomputes its K/V from scratch."""
+        req.table_idx = -1
+        req.cached_len = req.device_len = 0
+        req.cache_handle = None
+        req.pending = 0
+        req.status = ReqStatus.WAITING
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def live_requests(self) -> list[Req]:
+        """Every unfinished request: running ones in admission order, then the queue."""
+        return [*self.running, *self.waiting]
+
     def abort(self, rid: int, reason: FinishReason = FinishReason.ABORT) -> TokenEvent | None:
         """End a request wherever it is (cancelled, or a stop string the front end saw);
         its pages go back at once. None if it is unknown or already finished."""
@@ -111,7 +127,7 @@ class Scheduler:
         self._finish(req, reason)
         if reason is FinishReason.ABORT:
             self.stats.num_aborted += 1
-        return TokenEvent(rid, None, finish_reason=reason)
+        return TokenEvent(rid, None, finish_reason=reason, num_cached_tokens=req.num_cached_prompt)
 
     @property
     def has_work(self) -> bool:
@@ -291,7 +307,8 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(req, reason)
-            events.append(TokenEvent(req.rid, tok, lp, top, reason))
+            cached = req.num_cached_prompt if reason is not None else None
+            events.append(TokenEvent(req.rid, tok, lp, top, reason, num_cached_tokens=cached))
         return events
 
     # -- leaving the running set --------------------------------------------------------------

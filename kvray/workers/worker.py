@@ -41,6 +41,11 @@ class WorkerSpec:
         return getattr(torch, self.dtype)
 
 
+def _host(a: np.ndarray) -> torch.Tensor:
+    """int64 CPU tensor of a plan array (copied: plans arrive as read-only buffers)."""
+    return torch.tensor(a, dtype=torch.int64)
+
+
 def _flat_positions(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """For requests computing `lens[b]` positions from `starts[b]`: every position, flat."""
     total = int(lens.sum())
@@ -84,7 +89,7 @@ class ModelWorker:
         return self.kvcache.buffer_shape
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, torch.int64)
+        return _host(a).to(self.device)
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step. Returns the sampled tokens (every rank computes them; the
@@ -98,11 +103,9 @@ class ModelWorker:
         if plan.is_empty:
             return None
 
-        rows = torch.from_numpy(plan.rows).long()
-        starts = torch.from_numpy(plan.starts).long()
-        lens = torch.from_numpy(plan.extend_lens).long()
+        rows, starts, lens = _host(plan.rows), _host(plan.starts), _host(plan.extend_lens)
         if plan.fill_ids.size:
-            fill_lens = torch.from_numpy(plan.fill_lens).long()
+            fill_lens = _host(plan.fill_lens)
             f_rows = rows.repeat_interleave(fill_lens).to(self.device)
             f_pos = _flat_positions(starts, fill_lens).to(self.device)
             self.token_pool[f_rows, f_pos] = self._tensor(plan.fill_ids)
@@ -114,7 +117,7 @@ class ModelWorker:
             self.page_table, rows.to(self.device), starts, lens, pad_slot=self.dummy_slot
         )
         input_ids = self.token_pool[t_rows, positions]
-        sample_mask = torch.from_numpy(plan.sample)
+        sample_mask = torch.tensor(plan.sample, dtype=torch.bool)
         logits_indices = (meta.cu_seqlens_q[1:].long() - 1)[sample_mask.to(self.device)]
         self.attn.prepare(meta)
         logits = self.model(input_ids, positions, self.attn, logits_indices)

@@ -1,0 +1,51 @@
+"""The per-GPU (or, on CPU, per-TP-rank) worker actor: a ModelWorker behind Ray.
+
+Plain class; `RayExecutor` wraps it with `ray.remote` and places one per bundle of the
+engine's placement group.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvray.core import StepPlan, StepResult
+from kvray.workers.dist import default_backend, free_port, init_tp_group
+from kvray.workers.worker import ModelWorker, WorkerSpec
+
+
+class WorkerActor:
+    def __init__(self, spec: WorkerSpec, rank: int, world_size: int, num_threads: int) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        if not spec.device.startswith("cuda"):
+            # Ranks share the node's cores: give each its slice so they do not oversubscribe.
+            torch.set_num_threads(max(1, num_threads))
+        self.worker: ModelWorker | None = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's address and a free port for the TP group to meet at."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init(self, master_addr: str, master_port: int) -> int:
+        tp = init_tp_group(
+            master_addr, master_port, self.rank, self.world_size, default_backend(self.spec.device)
+        )
+        self.worker = ModelWorker(self.spec, tp)
+        return os.getpid()
+
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        assert self.worker is not None, "execute before init"
+        result = self.worker.execute(plan)
+        return result if self.rank == 0 else None  # every rank computed it; one answers
+
+    def kv_buffer_shape(self) -> tuple[int, ...]:
+        assert self.worker is not None
+        return self.worker.kv_buffer_shape
+
+    def pid(self) -> int:
+        return os.getpid()

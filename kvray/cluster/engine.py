@@ -1,0 +1,101 @@
+"""Engine: one engine on a Ray cluster (a SchedulerActor and its TP worker actors).
+
+The facade a driver holds: it resolves the checkpoint here (so the embedded model's
+one-time conversion shows its progress on this console), starts the SchedulerActor, and
+forwards requests to it. Data parallelism is several Engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from kvray.cluster.scheduler_actor import SchedulerActor
+from kvray.cluster.spec import EngineSpec
+from kvray.config import EngineConfig
+from kvray.core import FinishReason, SamplingParams, TokenEvent
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join the cluster at `address` (or RAY_ADDRESS), or start a local one."""
+    if not ray.is_initialized():
+        ray.init(
+            address=address,
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+
+
+def _call(ref: Any, timeout: float | None = None) -> Any:
+    """ray.get that re-raises an actor method's own exception (RequestRejected, ...)."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayTaskError as e:
+        if e.cause is not None:
+            raise e.cause from None
+        raise
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        compiled: bool = True,
+        address: str | None = None,
+        worker_cpus: float = 1.0,
+        progress: bool = True,
+    ) -> None:
+        ensure_ray(address)
+        self.config = config
+        self.spec = EngineSpec.resolve(config, progress=progress)
+        device = config.device
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        self.actor = (
+            ray.remote(SchedulerActor)
+            .options(num_cpus=0, max_concurrency=10_000)
+            .remote(self.spec, device, compiled, worker_cpus)
+        )
+        try:
+            _call(self.actor.ready.remote())
+        except BaseException:
+            ray.kill(self.actor)
+            raise
+
+    def submit(self, input_ids: Sequence[int], sampling: SamplingParams) -> int:
+        return _call(self.actor.submit.remote(list(input_ids), sampling))
+
+    def poll(self, rids: Sequence[int], timeout_s: float = 1.0) -> list[TokenEvent]:
+        return _call(self.actor.poll.remote(list(rids), timeout_s))
+
+    def abort(self, rid: int, reason: FinishReason = FinishReason.ABORT) -> None:
+        _call(self.actor.abort.remote(rid, reason.value))
+
+    def stats(self) -> dict[str, Any]:
+        return _call(self.actor.stats.remote())
+
+    def check_integrity(self) -> None:
+        _call(self.actor.check_integrity.remote())
+
+    def flush_cache(self) -> None:
+        _call(self.actor.flush_cache.remote())
+
+    def is_idle_and_empty(self) -> bool:
+        return _call(self.actor.is_idle_and_empty.remote())
+
+    def kv_buffer_shapes(self) -> list[tuple[int, ...]]:
+        return _call(self.actor.kv_buffer_shapes.remote())
+
+    def kill_worker(self, rank: int) -> None:
+        _call(self.actor.kill_worker.remote(rank))
+
+    def shutdown(self) -> None:
+        try:
+            _call(self.actor.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(self.actor)

@@ -1,0 +1,159 @@
+"""EngineCore: the scheduler, an executor and the overlapped step loop (no Ray here).
+
+One `step()` plans the next StepPlan and submits it, then settles the oldest in-flight
+step once `max_inflight` are running (2 for Ray workers: the scheduler builds plan N+1
+while the workers compute plan N and learns N's tokens one step late; 1 in process).
+
+It is thread safe: a loop thread calls `step()` while request threads call `add_request`
+/ `abort`; the lock is not held while waiting for the workers.
+
+When a worker is lost, the executor rebuilds the TP group and every unfinished request is
+replayed from the tokens the scheduler holds (prompt + tokens generated so far, same
+seed): clients see a delay, not an error. If the group cannot be rebuilt within
+`recovery_timeout_s`, those requests end with an error and the engine refuses new work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from kvray.cluster.executor import Executor, WorkerFailure
+from kvray.cluster.spec import EngineSpec
+from kvray.core import FinishReason, RequestRejected, SamplingParams, StepPlan, TokenEvent
+from kvray.scheduler import Scheduler
+
+
+class EngineFailed(RuntimeError):
+    """The engine lost its workers and could not rebuild them."""
+
+
+def validate_prompt(input_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """Token ids must be ints in [0, vocab_size)."""
+    ids = list(input_ids)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise RequestRejected(
+                f"token id {t!r} is not in this model's vocabulary [0, {vocab_size})", "prompt"
+            )
+    return ids
+
+
+class EngineCore:
+    def __init__(
+        self,
+        spec: EngineSpec,
+        executor: Executor,
+        max_inflight: int = 1,
+        recovery_timeout_s: float = 60.0,
+    ) -> None:
+        self.spec = spec
+        self.executor = executor
+        self.max_inflight = max_inflight
+        self.recovery_timeout_s = recovery_timeout_s
+        self.scheduler = self._new_scheduler()
+        self._inflight: deque[tuple[StepPlan, Any]] = deque()
+        self._lock = threading.RLock()
+        self._rids = itertools.count()
+        self.recoveries = 0
+        self.failed: str | None = None
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(
+            self.spec.scheduler_config(), self.spec.eos_token_ids, seed=self.spec.config.seed
+        )
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def new_rid(self) -> int:
+        return next(self._rids)
+
+    def add_request(
+        self, input_ids: Sequence[int], sampling: SamplingParams, rid: int | None = None
+    ) -> int:
+        """Queue a request; raises RequestRejected if it can never be served."""
+        ids = validate_prompt(input_ids, self.spec.vocab_size)
+        with self._lock:
+            if self.failed is not None:
+                raise EngineFailed(self.failed)
+            rid = self.new_rid() if rid is None else rid
+            self.scheduler.add_request(rid, ids, sampling)
+            return rid
+
+    def abort(self, rid: int, reason: FinishReason = FinishReason.ABORT) -> TokenEvent | None:
+        with self._lock:
+            return self.scheduler.abort(rid, reason)
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work or bool(self._inflight)
+
+    # -- the loop body ---------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """Plan and submit one step; settle the oldest once the pipeline is full (or
+        nothing new could be planned). Returns the events of the settled step."""
+        with self._lock:
+            plan = self.scheduler.step()
+            if plan is not None:
+                try:
+                    self._inflight.append((plan, self.executor.submit(plan)))
+                except WorkerFailure:
+                    return self._recover()
+            if not self._inflight:
+                return []
+            if plan is not None and len(self._inflight) < self.max_inflight:
+                return []
+            _, handle = self._inflight.popleft()
+        try:
+            result = self.executor.wait(handle)  # without the lock: requests keep arriving
+        except WorkerFailure:
+            return self._recover()
+        with self._lock:
+            if result is None:
+                return []
+            return self.scheduler.process_result(result)
+
+    def _recover(self) -> list[TokenEvent]:
+        """Rebuild the workers and replay every unfinished request."""
+        with self._lock:
+            self._inflight.clear()
+            old = self.scheduler
+            live = old.live_requests()
+            try:
+                self.executor.rebuild(self.recovery_timeout_s)
+            except Exception as e:  # noqa: BLE001 - any rebuild failure ends the engine
+                self.failed = f"lost a worker and could not rebuild the TP group: {e}"
+                for req in live:
+                    old.abort(req.rid)
+                return [
+                    TokenEvent(r.rid, None, finish_reason=FinishReason.ABORT, error=self.failed)
+                    for r in live
+                ]
+            self.scheduler = self._new_scheduler()
+            self.scheduler.stats = old.stats  # counters stay monotonic across a rebuild
+            for req in live:
+                self.scheduler.readmit(req)
+            self.recoveries += 1
+            return []
+
+    # -- inspection ------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self.scheduler.check_integrity()
+
+    def flush_cache(self) -> None:
+        with self._lock:
+            self.scheduler.flush_cache()
+
+    def is_idle_and_empty(self) -> bool:
+        with self._lock:
+            return not self._inflight and self.scheduler.is_idle_and_empty()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,153 @@
+"""RayExecutor: a placement group of worker actors forming one TP group.
+
+Per-step dispatch is a Ray Compiled Graph (the plan goes to every rank over shared-memory
+channels, ~0.2 ms) or, behind `compiled=False`, plain actor calls (~1.2 ms).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from kvray.cluster.actors import WorkerActor
+from kvray.cluster.executor import Executor, WorkerFailure
+from kvray.core import StepPlan, StepResult
+from kvray.workers.worker import WorkerSpec
+
+_FAILURES: tuple[type[BaseException], ...] = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.RayChannelError,
+    ray.exceptions.RayTaskError,
+    ray.exceptions.ObjectLostError,
+)
+
+
+class RayExecutor(Executor):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        tp_size: int,
+        *,
+        compiled: bool = True,
+        placement_strategy: str = "PACK",
+        worker_cpus: float = 1.0,
+        step_timeout_s: float = 600.0,
+        ready_timeout_s: float = 120.0,
+    ) -> None:
+        self.spec = spec
+        self.tp_size = tp_size
+        self.compiled = compiled
+        self.placement_strategy = placement_strategy
+        self.worker_cpus = worker_cpus
+        self.step_timeout_s = step_timeout_s
+        self.use_gpu = spec.device.startswith("cuda")
+        self.actors: list[Any] = []
+        self.pg: Any = None
+        self._dag: Any = None
+        self._build(ready_timeout_s)
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def _build(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        bundle: dict[str, float] = {"CPU": self.worker_cpus}
+        if self.use_gpu:
+            bundle["GPU"] = 1
+        self.pg = placement_group(
+            [dict(bundle) for _ in range(self.tp_size)], strategy=self.placement_strategy
+        )
+        try:
+            ray.get(self.pg.ready(), timeout=max(deadline - time.monotonic(), 1))
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise RuntimeError(
+                f"cannot place {self.tp_size} TP workers of {bundle} each "
+                f"({self.placement_strategy}); cluster resources: {ray.available_resources()}"
+            ) from None
+        threads = max(1, (os.cpu_count() or 1) // self.tp_size)
+        remote_cls = ray.remote(WorkerActor)
+        self.actors = [
+            remote_cls.options(
+                num_cpus=self.worker_cpus,
+                num_gpus=1 if self.use_gpu else 0,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                ),
+            ).remote(self.spec, rank, self.tp_size, threads)
+            for rank in range(self.tp_size)
+        ]
+        try:
+            addr, port = ray.get(
+                self.actors[0].rendezvous.remote(), timeout=max(deadline - time.monotonic(), 1)
+            )
+            ray.get(
+                [a.init.remote(addr, port) for a in self.actors],
+                timeout=max(deadline - time.monotonic(), 1),
+            )
+        except Exception:
+            self.shutdown()
+            raise
+        if self.compiled:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as plan:
+                dag = MultiOutputNode([a.execute.bind(plan) for a in self.actors])
+            self._dag = dag.experimental_compile()
+
+    def shutdown(self) -> None:
+        if self._dag is not None:
+            try:
+                self._dag.teardown()
+            except Exception:
+                pass
+            self._dag = None
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    def rebuild(self, timeout_s: float) -> None:
+        self.shutdown()
+        self._build(timeout_s)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def submit(self, plan: StepPlan) -> Any:
+        try:
+            if self._dag is not None:
+                return self._dag.execute(plan)
+            return [a.execute.remote(plan) for a in self.actors]
+        except _FAILURES as e:
+            raise WorkerFailure(str(e)) from e
+
+    def wait(self, handle: Any) -> StepResult | None:
+        try:
+            if self._dag is not None:
+                return ray.get(handle, timeout=self.step_timeout_s)[0]
+            # Plain calls: surface any rank's failure at once (a surviving rank would
+            # otherwise block in a collective with its dead peer, and so would rank 0's ref).
+            pending = list(handle)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+                ray.get(ready)
+            return ray.get(handle[0])
+        except _FAILURES as e:
+            raise WorkerFailure(str(e)) from e
+
+    def kv_buffer_shapes(self) -> list[tuple[int, ...]]:
+        return ray.get([a.kv_buffer_shape.remote() for a in self.actors])
+
+    def worker_pids(self) -> list[int]:
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def kill_worker(self, rank: int) -> None:
+        """Kill one worker actor (for failure tests and drills)."""
+        ray.kill(self.actors[rank], no_restart=True)

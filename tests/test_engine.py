@@ -1,0 +1,501 @@
+"""End to end through the offline `LLM` API (scheduler -> plan -> worker -> sampler ->
+scheduler -> detokenizer, all in this process).
+
+- Greedy parity with Hugging Face transformers (float32): the embedded SmolLM2 on a mixed
+  batch of plain and chat-templated prompts, and tiny random Llama / Qwen2 / Qwen3
+  checkpoints for every page size x cache policy, with every prompt chunked, batched and
+  one at a time, and under memory pressure (retraction).
+- Prefix reuse is real: a shared prefix is not recomputed, and the output does not change.
+- Seeded sampling is reproducible alone, in any batch and across engines.
+- Stop strings, stop token ids, EOS, max_tokens and request rejection.
+
+After every test, each engine a test used passes `check_integrity` and, once its prefix
+cache is flushed, has every page free (`engine_invariants`); `check_integrity` also runs
+after every single engine step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvray.cluster.llm import LLM, chat_prompt_ids
+from kvray.core import RequestRejected, SamplingParams
+
+# -- engines and their invariants ---------------------------------------------------------
+
+_LIVE: list[LLM] = []  # every engine built by this module that a later check must see
+
+
+def new_llm(model=None, **kw) -> LLM:
+    """An LLM whose engine checks its integrity after every step, registered with
+    `engine_invariants`."""
+    kw.setdefault("dtype", "float32")  # "auto" would run float32 checkpoints in bfloat16
+    llm = LLM(model if model is None else str(model), progress=False, **kw)
+    engine = llm.engine
+    step = engine.step
+
+    def checked_step():
+        events = step()
+        engine.check_integrity()
+        return events
+
+    engine.step = checked_step  # type: ignore[method-assign]
+    _LIVE.append(llm)
+    return llm
+
+
+def assert_clean(llm: LLM) -> None:
+    """No leaked request, row or page: integrity holds, and after a flush every page is
+    free."""
+    engine = llm.engine
+    engine.check_integrity()
+    assert not engine.has_work, "requests left behind in the engine"
+    engine.flush_cache()
+    engine.check_integrity()
+    sched = engine.scheduler
+    assert sched.is_idle_and_empty(), (
+        f"after flush: {sched.cache.num_free_pages} of {sched.config.num_pages} pages free"
+    )
+
+
+@pytest.fixture(autouse=True)
+def engine_invariants():
+    """After each test: every engine that exists (module-scoped ones included) is clean.
+    Engines built during the test are dropped from the registry afterwards."""
+    first_new = len(_LIVE)  # module-scoped engines this test uses already exist
+    yield
+    try:
+        for llm in _LIVE:
+            assert_clean(llm)
+    finally:
+        del _LIVE[first_new:]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def hf_greedy(hf, ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+    """Hugging Face greedy generate on one unpadded prompt: the new tokens."""
+    kw = {} if stop_at_eos else {"eos_token_id": None}
+    # An explicit mask: without it HF masks every prompt token equal to pad_token_id
+    # (SmolLM2's pad is <|im_end|>, which chat prompts contain).
+    kw["attention_mask"] = torch.ones(1, len(ids), dtype=torch.long)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens, **kw)
+    return out[0, len(ids) :].tolist()
+
+
+def assert_same_tokens(got: list[list[int]], want: list[list[int]], what: str) -> None:
+    assert len(got) == len(want)
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+    assert not bad, f"{what}: prompts {bad} differ, e.g. #{bad[0]}: {got[bad[0]]} != {want[bad[0]]}"
+
+
+# -- 1. SmolLM2 parity ----------------------------------------------------------------------
+
+SMOL_MAX_TOKENS = 32
+LONG_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined several existing technologies into a single, practical system for "
+    "producing books. Before his invention, most books in Europe were copied by hand, "
+    "usually by monks working in monasteries, and a single volume could take months or even "
+    "years to finish. Woodblock printing was already known in East Asia, and movable type "
+    "made of ceramic and later metal had been used in China and Korea, but these methods "
+    "were difficult to apply to alphabets with many combinations of letters and "
+    "punctuation. Gutenberg developed a hand mould that allowed metal type to be cast "
+    "quickly and with uniform size, an oil-based ink that stuck to metal, and a screw press "
+    "adapted from those used to make wine and olive oil. Together, these innovations "
+    "reduced the cost of books dramatically. Within fifty years, printing shops had spread "
+    "to more than two hundred cities, and millions of volumes had been produced. Scholars "
+    "could compare identical copies of a text, which encouraged the growth of science, "
+    "while religious reformers used pamphlets to spread new ideas across the continent. "
+    "Literacy slowly increased as books became cheaper, and languages began to standardize "
+    "as printers chose particular spellings. Historians often describe the press as one of "
+    "the most important inventions of the second millennium, because it changed how "
+    "knowledge was stored, shared and challenged. In summary, the main consequence of the "
+    "printing press was"
+)
+SYSTEM = {"role": "system", "content": "You are a helpful assistant who answers briefly."}
+SMOL_PROMPTS: list[str | list[dict[str, str]]] = [
+    "Hi",
+    "The capital of France is",
+    [SYSTEM, {"role": "user", "content": "What is 2+2?"}],
+    [SYSTEM, {"role": "user", "content": "Name three colors of the rainbow."}],  # shares SYSTEM
+    LONG_TEXT,
+    "def fibonacci(n):\n    ",
+    [{"role": "user", "content": "Summarize this text:\n" + LONG_TEXT[:700]}],
+    "Le café près de la gare sert des crêpes délicieuses, et",
+]
+
+
+@pytest.fixture(scope="module")
+def smol() -> LLM:
+    """The embedded SmolLM2 in float32; prefill chunks of 128 tokens, so the long prompts
+    are computed in several steps, mixed with the short ones' decodes."""
+    return new_llm(None, dtype="float32", num_pages=160, page_size=16, max_prefill_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def smol_ids(smol) -> list[list[int]]:
+    """SMOL_PROMPTS as token ids; chat ones are templated by the tokenizer itself."""
+    tok = smol.tokenizer
+    out = []
+    for p in SMOL_PROMPTS:
+        if isinstance(p, str):
+            out.append(list(tok(p)["input_ids"]))
+        else:
+            ids = tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            assert chat_prompt_ids(tok, p) == ids
+            out.append(ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol_hf(smol):
+    return AutoModelForCausalLM.from_pretrained(str(smol.spec.model_path), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def smol_refs(smol_hf, smol_ids) -> list[list[int]]:
+    """HF greedy continuations, one unpadded prompt at a time, EOS ignored."""
+    return [hf_greedy(smol_hf.eval(), ids, SMOL_MAX_TOKENS) for ids in smol_ids]
+
+
+def test_smollm2_greedy_batch_matches_hf(smol, smol_ids, smol_refs) -> None:
+    lengths = sorted(len(i) for i in smol_ids)
+    assert lengths[0] <= 3 and lengths[-1] >= 250, lengths  # mixed, up to ~300 tokens
+    # Plain prompts go in as strings (the LLM tokenizes them), chat ones as ids: one call.
+    prompts = [
+        p if isinstance(p, str) else ids for p, ids in zip(SMOL_PROMPTS, smol_ids, strict=True)
+    ]
+    outs = smol.generate(prompts, greedy(SMOL_MAX_TOKENS))
+    assert [o.prompt_token_ids for o in outs] == smol_ids
+    assert_same_tokens([o.token_ids for o in outs], smol_refs, "SmolLM2 batch vs HF")
+    for o in outs:
+        assert o.finish_reason == "length"
+        assert o.text == smol.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+    # Both chat prompts start with the same system turn: the later one reused it.
+    assert smol.engine.scheduler.stats.prefix_hit_tokens > 0
+
+
+def test_smollm2_stops_at_eos_like_hf(smol, smol_hf, smol_ids) -> None:
+    """Without ignore_eos, a chat reply ends with <|im_end|> exactly where HF stops."""
+    ids = smol_ids[2]  # "What is 2+2?": a short answer
+    ref = hf_greedy(smol_hf, ids, SMOL_MAX_TOKENS, stop_at_eos=True)
+    eos = smol.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ref[-1] == eos and len(ref) < SMOL_MAX_TOKENS  # the reference does stop early
+    (out,) = smol.generate(ids, SamplingParams(temperature=0, max_tokens=SMOL_MAX_TOKENS))
+    assert out.token_ids == ref
+    assert out.finish_reason == "stop"
+    assert "<|im_end|>" not in out.text and out.text.strip()
+
+
+# -- 2. tiny random checkpoints --------------------------------------------------------------
+
+TINY_VOCAB = 301
+
+
+def _tiny_prompts() -> list[list[int]]:
+    rng = random.Random(1234)
+
+    def rand(n: int) -> list[int]:
+        return [rng.randrange(1, TINY_VOCAB) for _ in range(n)]
+
+    base = rand(37)
+    return [
+        base,  # several chunks, odd length
+        base[:24] + rand(9),  # shares 24 tokens with the first (page aligned for 1, 4)
+        rand(5),
+        rand(1),  # a one-token prompt
+        base[:33] + rand(20),  # shares 33 (unaligned for every page size but 1)
+        rand(16),  # exactly one 16-token page
+    ]
+
+
+TINY_PROMPTS = _tiny_prompts()
+TINY_MAX_TOKENS = [10, 7, 12, 9, 11, 8]  # they finish at different steps
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoints) -> dict[str, tuple[str, list[list[int]]]]:
+    """{variant: (checkpoint dir, HF greedy reference for each TINY_PROMPTS entry)}."""
+    out = {}
+    for name, (path, hf) in tiny_checkpoints.items():
+        refs = [hf_greedy(hf, p, m) for p, m in zip(TINY_PROMPTS, TINY_MAX_TOKENS, strict=True)]
+        out[name] = (str(path), refs)
+    return out
+
+
+@pytest.mark.parametrize("cache", ["naive", "radix"])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
+def test_tiny_greedy_matches_hf(tiny, variant: str, page_size: int, cache: str) -> None:
+    """Every prompt is chunked (8 prefill tokens a step); batched == one at a time == HF."""
+    path, refs = tiny[variant]
+    llm = new_llm(
+        path, page_size=page_size, cache=cache, max_prefill_tokens=8, num_pages=1024 // page_size
+    )
+    params = [greedy(m) for m in TINY_MAX_TOKENS]
+    batched = llm.generate(TINY_PROMPTS, params)
+    assert_same_tokens([o.token_ids for o in batched], refs, "batched vs HF")
+    assert all(o.finish_reason == "length" for o in batched)
+    one_by_one = [llm.generate(p, sp)[0] for p, sp in zip(TINY_PROMPTS, params, strict=True)]
+    assert_same_tokens([o.token_ids for o in one_by_one], refs, "one at a time vs HF")
+
+    stats = llm.engine.scheduler.stats
+    if cache == "radix":  # the second pass found the first pass's prompts cached
+        assert stats.prefix_hit_tokens > 0
+        assert all(o.num_cached_tokens > 0 for o in one_by_one if len(o.prompt_token_ids) > 16)
+    else:
+        assert stats.prefix_hit_tokens == 0
+        assert all(o.num_cached_tokens == 0 for o in batched + one_by_one)
+        assert stats.prefill_tokens == 2 * sum(len(p) for p in TINY_PROMPTS)
+
+
+@pytest.mark.parametrize(
+    ("variant", "cache", "page_size"),
+    [("llama", "radix", 4), ("qwen2", "naive", 4), ("qwen3", "radix", 1), ("llama", "naive", 16)],
+)
+def test_tiny_greedy_under_memory_pressure(tiny, variant, cache, page_size) -> None:
+    """A pool of 80 token slots for ~200 tokens of work: requests are retracted and
+    re-admitted (re-matching what they cached) and greedy output does not change."""
+    path, refs = tiny[variant]
+    llm = new_llm(
+        path,
+        page_size=page_size,
+        cache=cache,
+        num_pages=80 // page_size,
+        max_prefill_tokens=8,
+        max_running_reqs=4,
+    )
+    outs = llm.generate(TINY_PROMPTS, [greedy(m) for m in TINY_MAX_TOKENS])
+    assert_same_tokens([o.token_ids for o in outs], refs, "under memory pressure vs HF")
+    assert llm.engine.scheduler.stats.num_preemptions > 0, "the pool was never short"
+    for o in outs:  # prompt tokens served from the cache, whatever the retractions
+        assert 0 <= o.num_cached_tokens <= len(o.prompt_token_ids)
+
+
+# -- 3. prefix reuse --------------------------------------------------------------------------
+
+PREFIX_LEN = 200
+
+
+def _shared_prefix_pair() -> tuple[list[int], list[int]]:
+    rng = random.Random(99)
+    prefix = [rng.randrange(1, TINY_VOCAB) for _ in range(PREFIX_LEN)]
+    first = prefix + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+    second = prefix + [rng.randrange(20, TINY_VOCAB) for _ in range(21)]  # diverges at 200
+    return first, second
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_prefix_reuse_after_finish(tiny, page_size: int) -> None:
+    path, _ = tiny["llama"]
+    first, second = _shared_prefix_pair()
+    radix = new_llm(path, page_size=page_size, cache="radix", num_pages=1024 // page_size)
+    naive = new_llm(path, page_size=page_size, cache="naive", num_pages=1024 // page_size)
+    sp = greedy(8)
+    (a,) = radix.generate(first, sp)
+    assert a.num_cached_tokens == 0
+
+    stats = radix.engine.scheduler.stats
+    computed0, hits0 = stats.prefill_tokens, stats.prefix_hit_tokens
+    (b,) = radix.generate(second, sp)
+    computed = stats.prefill_tokens - computed0
+    assert computed <= len(second) - PREFIX_LEN + page_size, computed
+    assert b.num_cached_tokens >= PREFIX_LEN - page_size + 1
+    assert b.num_cached_tokens % page_size == 0  # matches are page aligned
+    assert computed + b.num_cached_tokens == len(second)
+    assert stats.prefix_hit_tokens - hits0 == b.num_cached_tokens
+
+    want = [o.token_ids for o in naive.generate([first, second], sp)]
+    assert [a.token_ids, b.token_ids] == want
+    assert naive.engine.scheduler.stats.prefill_tokens == len(first) + len(second)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_prefix_reuse_while_first_request_runs(tiny, page_size: int) -> None:
+    """Submitted together with 8-token prefill chunks: the first request registers its
+    pages as it computes them, so the second (admitted later) reuses the shared prefix."""
+    path, refs = tiny["qwen2"]
+    first, second = _shared_prefix_pair()
+    radix = new_llm(
+        path, page_size=page_size, cache="radix", num_pages=1024 // page_size, max_prefill_tokens=8
+    )
+    naive = new_llm(path, page_size=page_size, cache="naive", num_pages=1024 // page_size)
+    sp = greedy(8)
+    got = radix.generate([first, second], sp)
+    assert got[1].num_cached_tokens >= PREFIX_LEN - page_size + 1
+    stats = radix.engine.scheduler.stats
+    assert stats.prefill_tokens == len(first) + len(second) - got[1].num_cached_tokens
+    want = [o.token_ids for o in naive.generate([first, second], sp)]
+    assert [o.token_ids for o in got] == want
+
+
+# -- 4. seeded sampling -----------------------------------------------------------------------
+
+SAMPLE_PROMPTS = [
+    "Once upon a time",
+    "My favourite food is",
+    "The weather today",
+    "Write a short poem about the moon.",
+    "In the year 3000,",
+    "A good name for a cat is",
+    "The best way to learn to code is",
+    "Here is a list of fun weekend activities:",
+]
+
+
+def _sampling(seed: int | None) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=seed, ignore_eos=True)
+
+
+def test_seeded_sampling_is_reproducible(smol) -> None:
+    prompt, seed = SAMPLE_PROMPTS[0], 1234
+    (alone,) = smol.generate(prompt, _sampling(seed))
+    assert len(alone.token_ids) == 16
+
+    # Inside a batch of 8, at another position, with 7 randomly seeded batch mates.
+    prompts = SAMPLE_PROMPTS[1:4] + [prompt] + SAMPLE_PROMPTS[4:]
+    params = [_sampling(None)] * 3 + [_sampling(seed)] + [_sampling(None)] * 4
+    batch = smol.generate(prompts, params)
+    assert batch[3].token_ids == alone.token_ids
+    (again,) = smol.generate(prompt, _sampling(seed))
+    assert again.token_ids == alone.token_ids
+
+    # Another engine: other page size, cache policy and engine seed.
+    other = new_llm(None, dtype="float32", num_pages=256, page_size=4, cache="naive", seed=7)
+    (there,) = other.generate([prompt], [_sampling(seed)])
+    assert there.token_ids == alone.token_ids
+
+    # Different seeds: different samples.
+    outs = {tuple(alone.token_ids)}
+    outs |= {tuple(smol.generate(prompt, _sampling(s))[0].token_ids) for s in (1, 2, 3)}
+    assert len(outs) == 4
+    # Unseeded requests each get their own seed: two identical prompts differ.
+    twins = smol.generate([prompt, prompt], _sampling(None))
+    assert twins[0].token_ids != twins[1].token_ids
+
+
+# -- 6. stop conditions and rejection ---------------------------------------------------------
+
+
+def _char_end(tok, ids: list[int], k: int) -> int:
+    """Length of the text of the first k output tokens."""
+    return len(tok.decode(ids[:k], skip_special_tokens=True))
+
+
+def _tokens_to_reach(tok, ids: list[int], n_chars: int) -> int:
+    """Fewest output tokens whose text has at least n_chars characters."""
+    return next(k for k in range(1, len(ids) + 1) if _char_end(tok, ids, k) >= n_chars)
+
+
+@pytest.fixture(scope="module")
+def long_ref(smol, smol_ids, smol_refs) -> tuple[list[int], list[int], str]:
+    """(prompt ids, HF greedy continuation, its text) for the long prose prompt."""
+    ids, ref = smol_ids[4], smol_refs[4]
+    return ids, ref, smol.tokenizer.decode(ref, skip_special_tokens=True)
+
+
+def _boundary_stop(tok, ref: list[int], text: str) -> tuple[str, int]:
+    """A stop string that spans a token boundary and first occurs there: (stop, index)."""
+    for k in range(4, len(ref) - 4):
+        end = _char_end(tok, ref, k)
+        stop = text[end - 2 : end + 3]
+        if len(stop) == 5 and text.find(stop) == end - 2 and stop.strip() == stop:
+            return stop, end - 2
+    raise AssertionError(f"no usable boundary in {text!r}")
+
+
+def test_stop_string_cuts_text(smol, long_ref) -> None:
+    ids, ref, text = long_ref
+    tok = smol.tokenizer
+    stop, at = _boundary_stop(tok, ref, text)
+    (out,) = smol.generate(ids, greedy(SMOL_MAX_TOKENS, stop=[stop]))
+    assert out.finish_reason == "stop"
+    assert out.text == text[:at], (stop, out.text)
+    # Generation stopped at the token that completed the stop string.
+    assert out.token_ids == ref[: _tokens_to_reach(tok, ref, at + len(stop))]
+
+    # Several stop strings: the earliest occurrence wins, whichever is listed first.
+    later = text[at + 6 : at + 12]
+    (out2,) = smol.generate(ids, greedy(SMOL_MAX_TOKENS, stop=[later, stop]))
+    assert out2.text == text[: min(at, text.find(later))]
+    assert out2.finish_reason == "stop"
+
+    # A stop string that never occurs changes nothing.
+    (out3,) = smol.generate(ids, greedy(SMOL_MAX_TOKENS, stop=["\x07never"]))
+    assert (out3.token_ids, out3.text, out3.finish_reason) == (ref, text, "length")
+
+
+def test_stop_string_completed_by_the_last_allowed_token(smol, long_ref) -> None:
+    """The stop string completes on the max_tokens-th token: the text is cut at the stop
+    string, so the finish reason is "stop" (as vLLM reports), not "length"."""
+    ids, ref, text = long_ref
+    tok = smol.tokenizer
+    stop, at = _boundary_stop(tok, ref, text)
+    n = _tokens_to_reach(tok, ref, at + len(stop))
+    (out,) = smol.generate(ids, greedy(n, stop=[stop]))
+    assert out.token_ids == ref[:n]
+    assert out.text == text[:at]
+    assert out.finish_reason == "stop"
+
+
+def test_stop_token_ids_and_max_tokens(smol, long_ref) -> None:
+    ids, ref, text = long_ref
+    k = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
+    (out,) = smol.generate(ids, greedy(SMOL_MAX_TOKENS, stop_token_ids=[ref[k]]))
+    assert out.token_ids == ref[: k + 1]
+    assert out.finish_reason == "stop"
+    assert text.startswith(out.text)
+
+    (out,) = smol.generate(ids, greedy(5))
+    assert out.token_ids == ref[:5]
+    assert out.finish_reason == "length"
+    assert out.text == smol.tokenizer.decode(ref[:5], skip_special_tokens=True)
+
+
+def test_rejected_requests_leave_the_engine_usable(smol, smol_ids, smol_refs) -> None:
+    limit = smol.spec.max_seq_len
+    assert limit == 160 * 16  # the pool, smaller than the model's context
+    ok_ids, ok_ref = smol_ids[1], smol_refs[1]
+
+    with pytest.raises(RequestRejected, match="max_tokens") as exc:
+        smol.generate([1, 2, 3], greedy(limit - 2))
+    assert exc.value.param == "max_tokens"
+    # Rejected inside a batch: the requests added before it are dropped too.
+    with pytest.raises(RequestRejected) as exc:
+        smol.generate([ok_ids, list(range(10, 20))], [greedy(8), greedy(limit - 9)])
+    assert exc.value.param == "max_tokens"
+    assert not smol.engine.has_work
+    smol.engine.check_integrity()
+
+    for bad in ([5, 49152], [-1, 5], [5, 2**40]):
+        with pytest.raises(RequestRejected) as exc:
+            smol.generate([list(range(10, 20)), bad], greedy(4))
+        assert exc.value.param == "prompt"
+        assert not smol.engine.has_work
+
+    # Still serving, with the same results.
+    (out,) = smol.generate(ok_ids, greedy(SMOL_MAX_TOKENS))
+    assert out.token_ids == ok_ref
+
+
+def test_request_of_exactly_max_seq_len(tiny) -> None:
+    path, _ = tiny["qwen3"]
+    llm = new_llm(path, page_size=4, num_pages=10, max_prefill_tokens=8)  # 40 token slots
+    assert llm.spec.max_seq_len == 40
+    prompt = TINY_PROMPTS[0][:30]
+    (out,) = llm.generate(prompt, greedy(10))
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+    with pytest.raises(RequestRejected) as exc:
+        llm.generate(prompt + [7], greedy(10))
+    assert exc.value.param == "max_tokens" and "max_tokens" in str(exc.value)
+    (again,) = llm.generate(prompt, greedy(10))
+    assert again.token_ids == out.token_ids
