@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +115,14 @@ class Req:
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at admission
     stop_ids: frozenset[int] = frozenset()  # token ids that end this request (EOS + stop ids)
     seed: int = 0  # the sampler's seed: sampling.seed, or one the engine drew for it
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+
+    @property
+    def queue_time_s(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -217,6 +226,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     error: str | None = None  # set when the engine ended the request because it failed
     num_cached_tokens: int | None = None  # on the finishing event: prompt tokens from cache
+    queue_time_s: float | None = None  # on the finishing event: arrival to first scheduled
 
     @property
     def finished(self) -> bool:

@@ -125,7 +125,8 @@ SMOL_PROMPTS: list[str | list[dict[str, str]]] = [
     "Hi",
     "The capital of France is",
     [SYSTEM, {"role": "user", "content": "What is 2+2?"}],
-    [SYSTEM, {"role": "user", "content": "Name three colors of the rainbow."}],  # shares SYSTEM
+    # Shares SYSTEM with the one above; the reply ends with <|im_end|> after ~9 tokens.
+    [SYSTEM, {"role": "user", "content": "Reply with one word: what color is the sky?"}],
     LONG_TEXT,
     "def fibonacci(n):\n    ",
     [{"role": "user", "content": "Summarize this text:\n" + LONG_TEXT[:700]}],
@@ -180,16 +181,15 @@ def test_smollm2_greedy_batch_matches_hf(smol, smol_ids, smol_refs) -> None:
     for o in outs:
         assert o.finish_reason == "length"
         assert o.text == smol.tokenizer.decode(o.token_ids, skip_special_tokens=True)
-    # Both chat prompts start with the same system turn: the later one reused it.
-    assert smol.engine.scheduler.stats.prefix_hit_tokens > 0
 
 
-def test_smollm2_stops_at_eos_like_hf(smol, smol_hf, smol_ids) -> None:
-    """Without ignore_eos, a chat reply ends with <|im_end|> exactly where HF stops."""
-    ids = smol_ids[2]  # "What is 2+2?": a short answer
-    ref = hf_greedy(smol_hf, ids, SMOL_MAX_TOKENS, stop_at_eos=True)
+def test_smollm2_stops_at_eos_like_hf(smol, smol_ids, smol_refs) -> None:
+    """Without ignore_eos, a chat reply ends with <|im_end|> where HF's generate stops (at
+    the first EOS of its greedy path: the EOS-ignoring reference cut after it)."""
+    ids, full = smol_ids[3], smol_refs[3]
     eos = smol.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert ref[-1] == eos and len(ref) < SMOL_MAX_TOKENS  # the reference does stop early
+    assert eos in full[:-1], "the reference reply does not end early"
+    ref = full[: full.index(eos) + 1]
     (out,) = smol.generate(ids, SamplingParams(temperature=0, max_tokens=SMOL_MAX_TOKENS))
     assert out.token_ids == ref
     assert out.finish_reason == "stop"
@@ -352,35 +352,36 @@ SAMPLE_PROMPTS = [
 ]
 
 
+SAMPLE_TOKENS = 12
+
+
 def _sampling(seed: int | None) -> SamplingParams:
-    return SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=seed, ignore_eos=True)
+    return SamplingParams(
+        temperature=0.8, top_p=0.9, max_tokens=SAMPLE_TOKENS, seed=seed, ignore_eos=True
+    )
 
 
 def test_seeded_sampling_is_reproducible(smol) -> None:
     prompt, seed = SAMPLE_PROMPTS[0], 1234
     (alone,) = smol.generate(prompt, _sampling(seed))
-    assert len(alone.token_ids) == 16
+    assert len(alone.token_ids) == SAMPLE_TOKENS
 
     # Inside a batch of 8, at another position, with 7 randomly seeded batch mates.
     prompts = SAMPLE_PROMPTS[1:4] + [prompt] + SAMPLE_PROMPTS[4:]
     params = [_sampling(None)] * 3 + [_sampling(seed)] + [_sampling(None)] * 4
     batch = smol.generate(prompts, params)
     assert batch[3].token_ids == alone.token_ids
-    (again,) = smol.generate(prompt, _sampling(seed))
-    assert again.token_ids == alone.token_ids
 
     # Another engine: other page size, cache policy and engine seed.
-    other = new_llm(None, dtype="float32", num_pages=256, page_size=4, cache="naive", seed=7)
+    other = new_llm(None, num_pages=64, page_size=4, cache="naive", seed=7)
     (there,) = other.generate([prompt], [_sampling(seed)])
     assert there.token_ids == alone.token_ids
+    del other
 
-    # Different seeds: different samples.
-    outs = {tuple(alone.token_ids)}
-    outs |= {tuple(smol.generate(prompt, _sampling(s))[0].token_ids) for s in (1, 2, 3)}
-    assert len(outs) == 4
-    # Unseeded requests each get their own seed: two identical prompts differ.
-    twins = smol.generate([prompt, prompt], _sampling(None))
-    assert twins[0].token_ids != twins[1].token_ids
+    # Different seeds give different samples; so do unseeded requests (each gets its own).
+    outs = smol.generate([prompt] * 5, [_sampling(s) for s in (1, 2, 3, None, None)])
+    samples = {tuple(alone.token_ids)} | {tuple(o.token_ids) for o in outs}
+    assert len(samples) == 6
 
 
 # -- 6. stop conditions and rejection ---------------------------------------------------------
@@ -396,10 +397,14 @@ def _tokens_to_reach(tok, ids: list[int], n_chars: int) -> int:
     return next(k for k in range(1, len(ids) + 1) if _char_end(tok, ids, k) >= n_chars)
 
 
+STOP_MAX_TOKENS = 20
+
+
 @pytest.fixture(scope="module")
 def long_ref(smol, smol_ids, smol_refs) -> tuple[list[int], list[int], str]:
-    """(prompt ids, HF greedy continuation, its text) for the long prose prompt."""
-    ids, ref = smol_ids[4], smol_refs[4]
+    """(prompt ids, HF greedy continuation, its text) for the long prose prompt, cut to
+    STOP_MAX_TOKENS tokens."""
+    ids, ref = smol_ids[4], smol_refs[4][:STOP_MAX_TOKENS]
     return ids, ref, smol.tokenizer.decode(ref, skip_special_tokens=True)
 
 
@@ -417,7 +422,7 @@ def test_stop_string_cuts_text(smol, long_ref) -> None:
     ids, ref, text = long_ref
     tok = smol.tokenizer
     stop, at = _boundary_stop(tok, ref, text)
-    (out,) = smol.generate(ids, greedy(SMOL_MAX_TOKENS, stop=[stop]))
+    (out,) = smol.generate(ids, greedy(STOP_MAX_TOKENS, stop=[stop]))
     assert out.finish_reason == "stop"
     assert out.text == text[:at], (stop, out.text)
     # Generation stopped at the token that completed the stop string.
@@ -425,12 +430,12 @@ def test_stop_string_cuts_text(smol, long_ref) -> None:
 
     # Several stop strings: the earliest occurrence wins, whichever is listed first.
     later = text[at + 6 : at + 12]
-    (out2,) = smol.generate(ids, greedy(SMOL_MAX_TOKENS, stop=[later, stop]))
+    (out2,) = smol.generate(ids, greedy(STOP_MAX_TOKENS, stop=[later, stop]))
     assert out2.text == text[: min(at, text.find(later))]
     assert out2.finish_reason == "stop"
 
     # A stop string that never occurs changes nothing.
-    (out3,) = smol.generate(ids, greedy(SMOL_MAX_TOKENS, stop=["\x07never"]))
+    (out3,) = smol.generate(ids, greedy(STOP_MAX_TOKENS, stop=["\x07never"]))
     assert (out3.token_ids, out3.text, out3.finish_reason) == (ref, text, "length")
 
 
@@ -450,7 +455,7 @@ def test_stop_string_completed_by_the_last_allowed_token(smol, long_ref) -> None
 def test_stop_token_ids_and_max_tokens(smol, long_ref) -> None:
     ids, ref, text = long_ref
     k = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
-    (out,) = smol.generate(ids, greedy(SMOL_MAX_TOKENS, stop_token_ids=[ref[k]]))
+    (out,) = smol.generate(ids, greedy(STOP_MAX_TOKENS, stop_token_ids=[ref[k]]))
     assert out.token_ids == ref[: k + 1]
     assert out.finish_reason == "stop"
     assert text.startswith(out.text)

@@ -17,6 +17,8 @@ from kvray.cluster.spec import EngineSpec
 from kvray.config import EngineConfig
 from kvray.core import FinishReason, SamplingParams, TokenEvent
 
+ACTOR_NAMESPACE = "kvray"  # where named scheduler actors live
+
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Join the cluster at `address` (or RAY_ADDRESS), or start a local one."""
@@ -49,6 +51,7 @@ class Engine:
         address: str | None = None,
         worker_cpus: float = 1.0,
         progress: bool = True,
+        name: str | None = None,
     ) -> None:
         ensure_ray(address)
         self.config = config
@@ -56,9 +59,16 @@ class Engine:
         device = config.device
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        # A named scheduler can be found by the API server (metrics, stop-string aborts).
+        self.name = name
         self.actor = (
             ray.remote(SchedulerActor)
-            .options(num_cpus=0, max_concurrency=10_000)
+            .options(
+                num_cpus=0,
+                max_concurrency=10_000,
+                name=name,
+                namespace=ACTOR_NAMESPACE if name else None,
+            )
             .remote(self.spec, device, compiled, worker_cpus)
         )
         try:

@@ -45,6 +45,68 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from kvray.cluster.spec import resolve_model_path
+    from kvray.config import EngineConfig
+    from kvray.deploy.app import ServeSettings, build_app
+
+    # Resolve (and, for the embedded model, convert) once, here, with progress shown.
+    model_path = resolve_model_path(args.model, progress=True)
+    if args.served_model_name:
+        model_name = args.served_model_name
+    elif args.model is None:
+        from kvray.models.embedded import EMBEDDED_MODEL_NAME
+
+        model_name = EMBEDDED_MODEL_NAME
+    else:
+        model_name = model_path.name
+    config = EngineConfig(
+        model=str(model_path),
+        tp_size=args.tp,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        cache_policy=args.cache,
+        num_pages=args.num_pages,
+        max_running_reqs=args.max_running,
+        max_prefill_tokens=args.max_prefill_tokens,
+        attention_backend=args.attention_backend,
+    )
+    settings = ServeSettings(
+        engine=config.model_dump(),
+        model_name=model_name,
+        replicas=args.replicas,
+        api_key=args.api_key or os.environ.get("KVRAY_API_KEY") or None,
+        compiled=not args.no_compiled_graph,
+    )
+    print(f"[kvray] starting Ray ({args.address or 'local'})...", file=sys.stderr, flush=True)
+    ray.init(address=args.address, include_dashboard=False, configure_logging=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    print(
+        f"[kvray] loading {model_name}: {args.replicas} engine(s) x TP {args.tp}...",
+        file=sys.stderr,
+        flush=True,
+    )
+    serve.run(build_app(settings), name=settings.app_name, route_prefix="/")
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    print(f"[kvray] serving {model_name} at http://{host}:{args.port}/v1", flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("[kvray] shutting down...", file=sys.stderr, flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "scheduler":
         from kvray.bench import scheduler
@@ -68,6 +130,22 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_engine_args(g)
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API through Ray Serve")
+    _add_engine_args(s)
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size per engine")
+    s.add_argument("--replicas", type=int, default=1, help="data-parallel engines")
+    s.add_argument("--max-running", type=int, default=256)
+    s.add_argument("--max-prefill-tokens", type=int, default=2048)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require this key (or set KVRAY_API_KEY)")
+    s.add_argument("--address", default=None, help="Ray cluster to join (default: start one)")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument(
+        "--no-compiled-graph", action="store_true", help="dispatch steps with plain actor calls"
+    )
+    s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="benchmarks (see `kvray bench scheduler --help`)")
     b.add_argument("what", choices=["scheduler"])

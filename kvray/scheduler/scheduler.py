@@ -9,6 +9,7 @@ here depends on lengths only, never on the values of in-flight tokens.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -127,7 +128,13 @@ class Scheduler:
         self._finish(req, reason)
         if reason is FinishReason.ABORT:
             self.stats.num_aborted += 1
-        return TokenEvent(rid, None, finish_reason=reason, num_cached_tokens=req.num_cached_prompt)
+        return TokenEvent(
+            rid,
+            None,
+            finish_reason=reason,
+            num_cached_tokens=req.num_cached_prompt,
+            queue_time_s=req.queue_time_s,
+        )
 
     @property
     def has_work(self) -> bool:
@@ -190,6 +197,8 @@ class Scheduler:
                 self.stats.prefix_query_tokens += n_prompt
                 self.stats.prefix_hit_tokens += req.cached_len
                 req.num_cached_prompt = req.cached_len
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
                 adder.take(req, chunk)
                 batch.append((req, chunk, True))
 
@@ -307,8 +316,20 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(req, reason)
-            cached = req.num_cached_prompt if reason is not None else None
-            events.append(TokenEvent(req.rid, tok, lp, top, reason, num_cached_tokens=cached))
+            if reason is None:
+                events.append(TokenEvent(req.rid, tok, lp, top))
+            else:
+                events.append(
+                    TokenEvent(
+                        req.rid,
+                        tok,
+                        lp,
+                        top,
+                        reason,
+                        num_cached_tokens=req.num_cached_prompt,
+                        queue_time_s=req.queue_time_s,
+                    )
+                )
         return events
 
     # -- leaving the running set --------------------------------------------------------------

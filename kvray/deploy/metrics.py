@@ -1,0 +1,131 @@
+"""Prometheus metrics, named like vLLM's (prefix `kvray:`, label `model_name`) so existing
+dashboards carry over.
+
+Request-level histograms and token counters are observed by the API server as requests
+stream through it. Engine-level gauges and counters (running / waiting requests, KV usage,
+prefix-cache queries and hits, preemptions, aborts) are read from every engine's scheduler
+at scrape time by `EngineCollector`, so they are exact and summed over data-parallel
+engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class RequestMetrics:
+    """The metrics the API server observes itself."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        label = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            h = Histogram(f"kvray:{name}", doc, label, registry=registry, buckets=buckets)
+            return h.labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between tokens.", _LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end latency.", _LATENCY_BUCKETS)
+        self.queue = hist(
+            "request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY_BUCKETS
+        )
+        self.prompt_len = hist(
+            "request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        )
+        self.gen_len = hist(
+            "request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        )
+        self.prompt_tokens = Counter(
+            "kvray:prompt_tokens", "Prompt tokens processed.", label, registry=registry
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "kvray:generation_tokens", "Tokens generated.", label, registry=registry
+        ).labels(model_name)
+        self._success = Counter(
+            "kvray:request_success",
+            "Requests finished, by reason.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)  # export zeros from the start
+
+    def success(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+
+class EngineCollector(Collector):
+    """Gauges and counters read from the engines' schedulers on every scrape."""
+
+    def __init__(self, model_name: str, read_stats: Callable[[], list[dict[str, Any]]]) -> None:
+        self.model_name = model_name
+        self.read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.read_stats()
+        labels = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"kvray:{name}", doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"kvray:{name}", doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        total = lambda key: float(sum(s.get(key, 0) for s in stats))  # noqa: E731
+        yield gauge(
+            "num_requests_running", "Requests running on the engines.", total("num_running")
+        )
+        yield gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled.", total("num_waiting")
+        )
+        usage = total("kv_cache_usage") / len(stats) if stats else 0.0
+        yield gauge("kv_cache_usage_perc", "Fraction of KV pages in use (0-1).", usage)
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            total("prefix_query_tokens"),
+        )
+        yield counter(
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            total("prefix_hit_tokens"),
+        )
+        yield counter(
+            "num_preemptions", "Requests retracted for lack of KV pages.", total("num_preemptions")
+        )
+        yield counter("num_aborted_requests", "Requests aborted.", total("num_aborted"))

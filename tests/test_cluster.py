@@ -1,0 +1,447 @@
+"""The distributed engine on a real local Ray cluster (CPU, gloo).
+
+- Greedy output at TP 2 and TP 4 equals the in-process TP 1 engine and Hugging Face
+  `generate` on tiny random Llama checkpoints with 1, 2 and 4 KV heads (KV heads are
+  replicated at TP 4 with 1 or 2 of them), and the embedded SmolLM2 at TP 3 does the same.
+- Each worker actor holds a KV buffer of shape
+  `(2, L, num_pages + 1, page_size, div_even(kv_heads, tp, allow_replicate=True), head_dim)`.
+- A decode StepPlan's pickled size grows with the batch, never with the context.
+- Killing a worker actor in the middle of 8 generations loses nothing: every request ends
+  with the undisturbed greedy tokens, and the engine serves new requests afterwards
+  (compiled graphs and plain actor calls).
+
+After every test, each live engine's page accounting balances (`check_integrity`, and once
+idle and flushed every page is free); after every shutdown, no actor and no placement group
+of that engine is left in the cluster.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from kvray.bench.dispatch import write_tiny_llama
+from kvray.cluster.llm import LLM, chat_prompt_ids
+from kvray.config import SchedulerConfig
+from kvray.core import SamplingParams
+from kvray.scheduler import Scheduler
+from kvray.scheduler.sim import HashChainExecutor
+
+VOCAB = 301
+MAX_NEW = 12
+PAGE_SIZE = 4
+NUM_PAGES = 96
+PREFILL_BUDGET = 16  # every prompt but the shortest is prefilled in chunks
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int, lens: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, VOCAB) for _ in range(lens[i % len(lens)])] for i in range(n)]
+
+
+PROMPTS = _prompts(4, seed=7, lens=[5, 23, 38, 11])
+
+
+def hf_greedy(hf: Any, ids: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face greedy generate on one unpadded prompt, EOS ignored: the new tokens."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+        )
+    new = out[0, len(ids) :].tolist()
+    assert len(new) == max_new_tokens, "Hugging Face stopped early"
+    return new
+
+
+def assert_same(got: list[list[int]], want: list[list[int]], what: str) -> None:
+    assert len(got) == len(want), what
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+    assert not bad, f"{what}: prompts {bad} differ, e.g. #{bad[0]}: {got[bad[0]]} != {want[bad[0]]}"
+
+
+# -- the cluster, and what an engine must leave behind --------------------------------------
+
+
+@pytest.fixture(scope="session")
+def kvray_ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for the session (8 logical CPUs, so TP 4 places on 2 cores),
+    or the one some other test already started."""
+    started = not ray.is_initialized()
+    if started:
+        # The dashboard serves the state API (ray.util.state.list_actors).
+        ray.init(num_cpus=8, include_dashboard=True, configure_logging=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def alive_actors() -> set[str]:
+    try:
+        from ray.util.state import list_actors
+
+        return {a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)}
+    except Exception:  # noqa: BLE001 - a cluster started without a dashboard
+        from ray._private import state
+
+        return set(state.actors(actor_state_name="ALIVE"))
+
+
+def live_placement_groups() -> set[str]:
+    return {k for k, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
+
+
+def cluster_snapshot() -> tuple[set[str], set[str]]:
+    return alive_actors(), live_placement_groups()
+
+
+_LIVE: list[LLM] = []  # engines that `engine_invariants` checks after every test
+
+
+def assert_clean(llm: LLM, timeout_s: float = 10.0) -> None:
+    """Page accounting balances, and once idle and flushed every page is free. With overlap
+    scheduling a stale step may still be in flight right after the last request ends."""
+    engine = llm.engine
+    engine.check_integrity()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        engine.flush_cache()
+        if engine.is_idle_and_empty():
+            break
+        if time.monotonic() > deadline:
+            stats = engine.stats() if hasattr(engine, "stats") else {}
+            raise AssertionError(f"engine not idle and empty after {timeout_s}s: {stats}")
+        time.sleep(0.05)
+    engine.check_integrity()
+
+
+def start_engine(path: str | Path, **kw: Any) -> tuple[LLM, tuple[set[str], set[str]]]:
+    """A Ray engine, and the cluster's actors and placement groups from before it."""
+    before = cluster_snapshot()
+    kw.setdefault("dtype", "float32")
+    llm = LLM(model=str(path), use_ray=True, progress=False, **kw)
+    _LIVE.append(llm)
+    return llm, before
+
+
+def shutdown_and_check(llm: LLM, before: tuple[set[str], set[str]]) -> None:
+    """Check the engine is clean, shut it down, and wait (up to 20 s) until every actor
+    and placement group it created is gone."""
+    try:
+        assert_clean(llm)
+    finally:
+        _LIVE.remove(llm)
+        llm.shutdown()
+    actors_before, pgs_before = before
+    deadline = time.monotonic() + 20
+    while True:
+        actors, pgs = cluster_snapshot()
+        left_actors, left_pgs = actors - actors_before, pgs - pgs_before
+        if not left_actors and not left_pgs:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"after shutdown: actors {sorted(left_actors)} still alive, "
+                f"placement groups {sorted(left_pgs)} not removed"
+            )
+        time.sleep(0.2)
+
+
+@pytest.fixture(autouse=True)
+def engine_invariants() -> Iterator[None]:
+    """After each test, every engine still alive (module-scoped ones included) is clean."""
+    yield
+    for llm in list(_LIVE):
+        assert_clean(llm)
+
+
+# -- tiny checkpoints and their references ---------------------------------------------------
+
+# name: (num_attention_heads, num_key_value_heads)
+TINY = {"kv1": (4, 1), "kv2": (8, 2), "kv4": (4, 4)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """{name: {path, hf refs, in-process TP 1 outputs}} for each TINY checkpoint."""
+    out = {}
+    for seed, (name, (heads, kv)) in enumerate(TINY.items()):
+        path = tmp_path_factory.mktemp(f"cluster-{name}")
+        hf = write_tiny_llama(
+            path, seed=seed, tokenizer=True, num_attention_heads=heads, num_key_value_heads=kv
+        )
+        hf_refs = [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+        tp1 = LLM(
+            model=str(path),
+            dtype="float32",
+            page_size=PAGE_SIZE,
+            num_pages=NUM_PAGES,
+            max_prefill_tokens=PREFILL_BUDGET,
+            progress=False,
+        )
+        _LIVE.append(tp1)
+        tp1_out = [o.token_ids for o in tp1.generate(PROMPTS, greedy(MAX_NEW))]
+        assert_same(tp1_out, hf_refs, f"{name}: in-process TP 1 vs Hugging Face")
+        out[name] = {"path": path, "heads": heads, "kv": kv, "hf": hf_refs, "tp1": tp1}
+    yield out
+    for entry in out.values():
+        _LIVE.remove(entry["tp1"])
+
+
+# -- 1 and 3: TP parity and the KV buffer each actor holds ----------------------------------
+
+TP_CASES = [("kv1", 2), ("kv1", 4), ("kv2", 2), ("kv2", 4), ("kv4", 2), ("kv4", 4)]
+
+
+@pytest.fixture(scope="module", params=TP_CASES, ids=[f"{n}-tp{t}" for n, t in TP_CASES])
+def tp_engine(request, kvray_ray_cluster, tiny) -> Iterator[tuple[LLM, dict[str, Any], int]]:
+    """One Ray engine per (checkpoint, TP size); pytest runs every test of one before
+    starting the next, so at most one of these is alive at a time."""
+    name, tp = request.param
+    entry = tiny[name]
+    llm, before = start_engine(
+        entry["path"],
+        tp_size=tp,
+        page_size=PAGE_SIZE,
+        num_pages=NUM_PAGES,
+        max_prefill_tokens=PREFILL_BUDGET,
+    )
+    yield llm, entry, tp
+    shutdown_and_check(llm, before)
+
+
+def test_tp_greedy_matches_tp1_and_hf(tp_engine) -> None:
+    llm, entry, tp = tp_engine
+    first = [o.token_ids for o in llm.generate(PROMPTS, greedy(MAX_NEW))]
+    assert_same(first, entry["hf"], f"TP {tp} vs Hugging Face")
+    tp1 = [o.token_ids for o in entry["tp1"].generate(PROMPTS, greedy(MAX_NEW))]
+    assert_same(first, tp1, f"TP {tp} vs in-process TP 1")
+    # Again: now the prompts' pages come from the radix cache, on every rank.
+    hits = llm.engine.stats()["prefix_hit_tokens"]
+    again = [o.token_ids for o in llm.generate(PROMPTS, greedy(MAX_NEW))]
+    assert_same(again, entry["hf"], f"TP {tp}, prompts cached, vs Hugging Face")
+    assert llm.engine.stats()["prefix_hit_tokens"] > hits
+    # One at a time (a batch of one on every rank).
+    alone = [llm.generate(p, greedy(MAX_NEW))[0].token_ids for p in PROMPTS[:2]]
+    assert_same(alone, entry["hf"][:2], f"TP {tp}, one at a time, vs Hugging Face")
+
+
+def expected_kv_shape(layers: int, kv: int, tp: int, head_dim: int) -> tuple[int, ...]:
+    local = kv // tp if kv >= tp else 1  # replicated: one head per rank
+    assert kv % tp == 0 or tp % kv == 0
+    return (2, layers, NUM_PAGES + 1, PAGE_SIZE, local, head_dim)
+
+
+def test_kv_buffer_shape_in_each_actor(tp_engine) -> None:
+    llm, entry, tp = tp_engine
+    shapes = llm.engine.kv_buffer_shapes()
+    want = expected_kv_shape(2, entry["kv"], tp, 64 // entry["heads"])
+    assert [tuple(s) for s in shapes] == [want] * tp
+
+
+# -- 2: SmolLM2 at TP 3 -----------------------------------------------------------------------
+
+SMOL_NEW = 16
+SMOL_TEXTS = ["The capital of France is", "def fibonacci(n):\n    ", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def smol_refs() -> dict[str, Any]:
+    """The embedded SmolLM2: prompt ids, Hugging Face and in-process TP 1 greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from kvray.models.embedded import ensure_embedded_model
+
+    path = ensure_embedded_model(progress=False)
+    tp1 = LLM(model=str(path), dtype="float32", num_pages=64, page_size=16, progress=False)
+    _LIVE.append(tp1)
+    tok = tp1.tokenizer
+    ids = [list(tok(t)["input_ids"]) for t in SMOL_TEXTS]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids.append(chat_prompt_ids(tok, chat))
+    tp1_out = [o.token_ids for o in tp1.generate(ids, greedy(SMOL_NEW))]
+    _LIVE.remove(tp1)
+    assert_clean(tp1)
+    del tp1
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf_out = [hf_greedy(hf, p, SMOL_NEW) for p in ids]
+    del hf
+    assert_same(tp1_out, hf_out, "SmolLM2 in-process TP 1 vs Hugging Face")
+    return {"path": path, "ids": ids, "hf": hf_out, "tp1": tp1_out}
+
+
+def test_smollm2_tp3_matches_tp1_and_hf(kvray_ray_cluster, smol_refs) -> None:
+    llm, before = start_engine(smol_refs["path"], tp_size=3, num_pages=64, page_size=16)
+    try:
+        out = llm.generate(smol_refs["ids"], greedy(SMOL_NEW))
+        got = [o.token_ids for o in out]
+        assert_same(got, smol_refs["hf"], "SmolLM2 TP 3 vs Hugging Face")
+        assert_same(got, smol_refs["tp1"], "SmolLM2 TP 3 vs in-process TP 1")
+        assert "Paris" in out[-1].text
+        # 30 layers, 3 KV heads over 3 ranks: one each.
+        assert [tuple(s) for s in llm.engine.kv_buffer_shapes()] == [(2, 30, 65, 16, 1, 64)] * 3
+    finally:
+        shutdown_and_check(llm, before)
+
+
+# -- 4: the StepPlan is a delta -------------------------------------------------------------
+
+
+def decode_plan_sizes(batch: int, context: int, steps: int = 20) -> list[int]:
+    """Pickled sizes of `steps` consecutive decode plans of `batch` requests whose prompts
+    are `context` tokens long (one prefill step, then decode across page boundaries)."""
+    ps = 16
+    max_seq_len = context + steps + 16
+    cfg = SchedulerConfig(
+        num_pages=batch * (max_seq_len // ps + 2),
+        page_size=ps,
+        max_running_reqs=batch,
+        max_prefill_tokens=batch * context,
+        max_seq_len=max_seq_len,
+        cache_policy="radix",
+    )
+    sched = Scheduler(cfg, eos_token_ids=[0])
+    ex = HashChainExecutor(
+        (cfg.num_pages + 1) * ps, batch, sched.table.page_table.shape[1], vocab_size=VOCAB
+    )
+    rng = random.Random(batch)
+    for rid in range(batch):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(context)]
+        sched.add_request(rid, prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    plan = sched.step()
+    assert plan.num_tokens == batch * context  # the whole batch prefilled in one step
+    sched.process_result(ex.execute(plan))
+    sizes = []
+    for _ in range(steps):
+        plan = sched.step()
+        assert plan.batch_size == batch and plan.num_tokens == batch
+        assert plan.fill_ids.size == 0 and not plan.table_writes and not plan.admitted
+        sizes.append(len(pickle.dumps(plan)))
+        sched.process_result(ex.execute(plan))
+    sched.check_integrity()
+    return sizes
+
+
+def test_decode_plan_size_grows_with_batch_not_context() -> None:
+    sizes = {(b, c): decode_plan_sizes(b, c) for b in (8, 64) for c in (64, 1024)}
+    assert sizes[8, 64] == sizes[8, 1024]
+    assert sizes[64, 64] == sizes[64, 1024]
+    # Each extra request adds its row, start, length, out_loc slot, fill length (int32
+    # each) and sample flag: 21 bytes, whatever its context.
+    for small, large in zip(sizes[8, 64], sizes[64, 64], strict=True):
+        assert large - small >= (64 - 8) * 21
+    # And it stays small: well under 64 bytes per running request.
+    assert max(sizes[64, 1024]) < 64 * 64
+
+
+# -- 5: losing a worker in the middle of generation -----------------------------------------
+
+KILL_PROMPTS = _prompts(8, seed=11, lens=[9, 30, 17, 4, 26, 12, 21, 6])
+KILL_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def kill_refs(tiny) -> list[list[int]]:
+    tp1 = tiny["kv2"]["tp1"]
+    return [o.token_ids for o in tp1.generate(KILL_PROMPTS, greedy(KILL_NEW))]
+
+
+def collect(engine: Any, rids: list[int], out: dict[int, list[int]], done: set[int]) -> None:
+    """One poll: append tokens, note finished requests; an error event fails the test."""
+    for ev in engine.poll([r for r in rids if r not in done], timeout_s=1.0):
+        assert ev.error is None, f"request {ev.rid} failed: {ev.error}"
+        assert ev.rid not in done, f"event after request {ev.rid} finished"
+        if ev.token_id is not None:
+            out[ev.rid].append(ev.token_id)
+        if ev.finished:
+            assert ev.finish_reason.value == "length"
+            done.add(ev.rid)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "actor_calls"])
+def test_worker_killed_mid_generation(kvray_ray_cluster, tiny, kill_refs, compiled) -> None:
+    llm, before = start_engine(
+        tiny["kv2"]["path"],
+        tp_size=2,
+        compiled=compiled,
+        page_size=PAGE_SIZE,
+        num_pages=NUM_PAGES,
+        max_prefill_tokens=64,
+    )
+    try:
+        engine = llm.engine
+        # Undisturbed on this engine first.
+        calm = [o.token_ids for o in llm.generate(KILL_PROMPTS, greedy(KILL_NEW))]
+        assert_same(calm, kill_refs, "TP 2 before the kill vs in-process TP 1")
+        assert engine.stats()["recoveries"] == 0
+
+        rids = [engine.submit(p, greedy(KILL_NEW)) for p in KILL_PROMPTS]
+        out: dict[int, list[int]] = {r: [] for r in rids}
+        done: set[int] = set()
+        deadline = time.monotonic() + 60
+        while not any(out.values()):
+            assert time.monotonic() < deadline, "no token arrived"
+            collect(engine, rids, out, done)
+        assert len(done) < len(rids), "everything finished before the kill"
+        tokens_at_kill = sum(map(len, out.values()))
+        engine.kill_worker(1)
+
+        deadline = time.monotonic() + 180
+        while len(done) < len(rids):
+            assert time.monotonic() < deadline, f"only {len(done)} of {len(rids)} finished"
+            collect(engine, rids, out, done)
+        assert tokens_at_kill < KILL_NEW * len(rids)
+        assert_same([out[r] for r in rids], kill_refs, "after losing a worker")
+        assert engine.stats()["recoveries"] >= 1
+        assert [tuple(s) for s in engine.kv_buffer_shapes()] == [
+            expected_kv_shape(2, 2, 2, 8)
+        ] * 2
+
+        # The rebuilt group serves new work.
+        again = llm.generate(KILL_PROMPTS[:3], greedy(KILL_NEW))
+        assert_same([o.token_ids for o in again], kill_refs[:3], "a request after recovery")
+    finally:
+        shutdown_and_check(llm, before)
+
+
+# -- 6: nothing is left in the cluster ------------------------------------------------------
+
+
+def test_cluster_has_no_engine_left(kvray_ray_cluster) -> None:
+    """Runs last in this module's order: every engine above was shut down and the
+    cluster holds no kvray actor or placement group."""
+    if any(llm.engine.__class__.__name__ == "Engine" for llm in _LIVE):
+        pytest.skip("a module-scoped Ray engine is still alive (test order changed)")
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            from ray.util.state import list_actors
+
+            names = {
+                a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+            }
+        except Exception:  # noqa: BLE001
+            from ray._private import state
+
+            names = {a["ActorClassName"] for a in state.actors(actor_state_name="ALIVE").values()}
+        left = names & {"SchedulerActor", "WorkerActor"}
+        pgs = live_placement_groups()
+        if not left and not pgs:
+            return
+        assert time.monotonic() < deadline, f"left behind: actors {left}, placement groups {pgs}"
+        time.sleep(0.2)
