@@ -125,7 +125,8 @@ class SchedulerActor:
             **vars(s.stats),
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
-            "kv_cache_usage": 1.0 - s.cache.num_free_pages / s.config.num_pages,
+            # Cached-but-evictable pages count as free, as in vLLM.
+            "kv_cache_usage": 1.0 - s.cache.available_pages / s.config.num_pages,
             "recoveries": self.core.recoveries,
         }
 
