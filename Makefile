@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvray-installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run test lint bench-scheduler clean
+.PHONY: install serve run test lint bench-scheduler clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job on the embedded model: offline generation (the server arrives with `kvray serve`).
+# The main job: the OpenAI-compatible server on the embedded model (Ctrl-C stops it).
+serve: $(STAMP)
+	$(VENV)/bin/kvray serve
+
+# One prompt, offline.
 run: $(STAMP)
 	$(VENV)/bin/kvray generate --prompt "$(PROMPT)"
 
