@@ -89,7 +89,8 @@ class Timing:
     @classmethod
     def of(cls, ns: list[int]) -> Timing:
         us = sorted(t / 1e3 for t in ns)
-        return cls(statistics.fmean(us), us[len(us) // 2], us[min(int(len(us) * 0.99), len(us) - 1)])
+        p99 = us[min(int(len(us) * 0.99), len(us) - 1)]
+        return cls(statistics.fmean(us), us[len(us) // 2], p99)
 
 
 @dataclass(frozen=True)
@@ -228,9 +229,7 @@ def run(
             results = []
             plan_bytes = 0
             for name, make, s, t in runs:
-                r, plan_bytes = bench_executor(
-                    name, make, s, t, steps, warmup, running, prompt_len
-                )
+                r, plan_bytes = bench_executor(name, make, s, t, steps, warmup, running, prompt_len)
                 results.append(r)
         finally:
             if started:
@@ -252,9 +251,7 @@ def run(
             )
     return {
         "summary": summary,
-        "config": dict(
-            tp=tp, steps=steps, warmup=warmup, running=running, prompt_len=prompt_len
-        ),
+        "config": dict(tp=tp, steps=steps, warmup=warmup, running=running, prompt_len=prompt_len),
         "results": [asdict(r) for r in results],
     }
 

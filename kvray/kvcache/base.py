@@ -85,6 +85,8 @@ class SizeInfo:
 class BasePrefixCache(ABC):
     """Which token prefixes already have K/V, and where. Sizes are in token slots."""
 
+    shares_prefixes: bool = True  # False for a policy that never matches
+
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
 

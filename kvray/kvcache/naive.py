@@ -19,6 +19,7 @@ class NaiveCacheHandle(BaseCacheHandle):
 
 
 class NaivePrefixCache(BasePrefixCache):
+    shares_prefixes = False
     _HANDLE = NaiveCacheHandle()
 
     def match_prefix(self, input_ids: Sequence[int]) -> BaseCacheHandle:

@@ -33,6 +33,14 @@ from kvray.scheduler.cache import CacheManager
 from kvray.scheduler.prefill import PrefillAdder
 from kvray.scheduler.table import TableManager
 
+_ADMIT_LOOKAHEAD = 64  # waiting requests one step may pass over (deferred or pending)
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
 
 @dataclass
 class SchedulerStats:
@@ -180,27 +188,35 @@ class Scheduler:
                 batch.append((req, 1, False))
             i += 1
 
-        # 2. Admit waiting requests (FIFO, retracted ones first), unless this step just had
-        #    to retract: admitting now would only thrash.
+        # 2. Admit waiting requests in order (retracted ones first), unless this step just
+        #    had to retract: admitting now would only thrash. A request whose prompt shares
+        #    more with a request still prefilling than the cache holds yet waits for that
+        #    prefill to be registered instead of computing the same K/V a second time.
         admitted: list[Admission] = []
         if not retracted:
             adder.reserved_pages = sum(1 for r in self.running if not r.prefilling)
-            while self.waiting and self.waiting[0].pending == 0:
-                req = self.waiting[0]
+            prefilling = [r for r in self.running if r.prefilling]
+            deferred: list[Req] = []
+            while self.waiting and len(deferred) < _ADMIT_LOOKAHEAD:
+                req = self.waiting.popleft()
+                if req.pending or self._defer_for_shared_prefix(req, prefilling):
+                    deferred.append(req)
+                    continue
                 chunk = adder.try_admit(req)
                 if chunk == 0:
+                    self.waiting.appendleft(req)
                     break
-                self.waiting.popleft()
                 self.running.append(req)
+                prefilling.append(req)
                 admitted.append(Admission(req.table_idx, req.rid, req.sampling, req.seed))
-                n_prompt = len(req.input_ids)
-                self.stats.prefix_query_tokens += n_prompt
+                self.stats.prefix_query_tokens += len(req.input_ids)
                 self.stats.prefix_hit_tokens += req.cached_len
                 req.num_cached_prompt = req.cached_len
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
                 adder.take(req, chunk)
                 batch.append((req, chunk, True))
+            self.waiting.extendleft(reversed(deferred))
 
         if not batch:
             return None
@@ -331,6 +347,24 @@ class Scheduler:
                     )
                 )
         return events
+
+    def _defer_for_shared_prefix(self, req: Req, prefilling: list[Req]) -> bool:
+        """Would `req` match a longer cached prefix once some prefilling request has
+        registered its prompt? (Only a prefix-sharing cache can make waiting pay.)"""
+        prefix_cache = self.cache.prefix_cache
+        ps = self.page_size
+        ids = req.input_ids
+        limit = (len(ids) - 1) // ps * ps  # what match_req could ever match
+        if not prefix_cache.shares_prefixes or limit == 0:
+            return False
+        head = ids[:ps]
+        sharers = [r for r in prefilling if r.input_ids[:ps] == head]
+        if not sharers:
+            return False
+        matched = prefix_cache.match_prefix(ids[:limit]).cached_len
+        return any(
+            _common_prefix_len(ids, r.input_ids, limit) // ps * ps >= matched + ps for r in sharers
+        )
 
     # -- leaving the running set --------------------------------------------------------------
 
