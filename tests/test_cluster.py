@@ -198,6 +198,7 @@ def tiny(tmp_path_factory) -> dict[str, dict[str, Any]]:
         tp1_out = [o.token_ids for o in tp1.generate(PROMPTS, greedy(MAX_NEW))]
         assert_same(tp1_out, hf_refs, f"{name}: in-process TP 1 vs Hugging Face")
         out[name] = {"path": path, "heads": heads, "kv": kv, "hf": hf_refs, "tp1": tp1}
+        out[name]["tp1_out"] = tp1_out
     yield out
     for entry in out.values():
         _LIVE.remove(entry["tp1"])
@@ -229,8 +230,7 @@ def test_tp_greedy_matches_tp1_and_hf(tp_engine) -> None:
     llm, entry, tp = tp_engine
     first = [o.token_ids for o in llm.generate(PROMPTS, greedy(MAX_NEW))]
     assert_same(first, entry["hf"], f"TP {tp} vs Hugging Face")
-    tp1 = [o.token_ids for o in entry["tp1"].generate(PROMPTS, greedy(MAX_NEW))]
-    assert_same(first, tp1, f"TP {tp} vs in-process TP 1")
+    assert_same(first, entry["tp1_out"], f"TP {tp} vs in-process TP 1")
     # Again: now the prompts' pages come from the radix cache, on every rank.
     hits = llm.engine.stats()["prefix_hit_tokens"]
     again = [o.token_ids for o in llm.generate(PROMPTS, greedy(MAX_NEW))]
@@ -408,9 +408,7 @@ def test_worker_killed_mid_generation(kvray_ray_cluster, tiny, kill_refs, compil
         assert tokens_at_kill < KILL_NEW * len(rids)
         assert_same([out[r] for r in rids], kill_refs, "after losing a worker")
         assert engine.stats()["recoveries"] >= 1
-        assert [tuple(s) for s in engine.kv_buffer_shapes()] == [
-            expected_kv_shape(2, 2, 2, 8)
-        ] * 2
+        assert [tuple(s) for s in engine.kv_buffer_shapes()] == [expected_kv_shape(2, 2, 2, 8)] * 2
 
         # The rebuilt group serves new work.
         again = llm.generate(KILL_PROMPTS[:3], greedy(KILL_NEW))
@@ -422,25 +420,32 @@ def test_worker_killed_mid_generation(kvray_ray_cluster, tiny, kill_refs, compil
 # -- 6: nothing is left in the cluster ------------------------------------------------------
 
 
-def test_cluster_has_no_engine_left(kvray_ray_cluster) -> None:
-    """Runs last in this module's order: every engine above was shut down and the
-    cluster holds no kvray actor or placement group."""
-    if any(llm.engine.__class__.__name__ == "Engine" for llm in _LIVE):
-        pytest.skip("a module-scoped Ray engine is still alive (test order changed)")
+def kvray_actors_alive() -> set[str]:
+    """Class names of the kvray actors alive in the cluster."""
+    try:
+        from ray.util.state import list_actors
+
+        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+        names = {a.class_name for a in alive}
+    except Exception:  # noqa: BLE001 - a cluster started without a dashboard
+        from ray._private import state
+
+        names = {a["ActorClassName"] for a in state.actors(actor_state_name="ALIVE").values()}
+    return names & {"SchedulerActor", "WorkerActor"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster_left_empty() -> Iterator[None]:
+    """Torn down after every other fixture of this module (its engines included): no
+    kvray actor and no placement group is left in the cluster. A failure here shows as an
+    error in the teardown of the module's last test."""
+    pgs_before = live_placement_groups() if ray.is_initialized() else set()
+    yield
+    if not ray.is_initialized():
+        return
     deadline = time.monotonic() + 20
     while True:
-        try:
-            from ray.util.state import list_actors
-
-            names = {
-                a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-            }
-        except Exception:  # noqa: BLE001
-            from ray._private import state
-
-            names = {a["ActorClassName"] for a in state.actors(actor_state_name="ALIVE").values()}
-        left = names & {"SchedulerActor", "WorkerActor"}
-        pgs = live_placement_groups()
+        left, pgs = kvray_actors_alive(), live_placement_groups() - pgs_before
         if not left and not pgs:
             return
         assert time.monotonic() < deadline, f"left behind: actors {left}, placement groups {pgs}"
