@@ -13,7 +13,8 @@ for two kinds of plan: an empty plan (the workers apply no delta and compute not
 this is the dispatch round trip alone) and a steady decode step of `--running` requests
 (rows, starts, one out_loc slot each, built by the real scheduler; the time includes the
 tiny model's forward pass and, over Ray, its gloo collectives). Every executor is warmed up
-first (a compiled graph's first few hundred executions are slow).
+first (a compiled graph's first few hundred executions are slow). The in-process worker
+runs with the torch thread budget of one Ray rank (`cpu_count // tp`, or `--threads`).
 """
 
 from __future__ import annotations
@@ -179,8 +180,10 @@ def run(
     running: int = 8,
     prompt_len: int = 32,
     model_dir: str | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     import ray
+    import torch
 
     from kvray.cluster.executor import LocalExecutor
     from kvray.cluster.ray_executor import RayExecutor
@@ -188,6 +191,10 @@ def run(
     from kvray.config import EngineConfig
 
     max_seq_len = prompt_len + warmup + steps + 64
+    # RayExecutor gives each CPU rank cpu_count // tp torch threads; the in-process worker
+    # gets the same, so the decode rows compare like with like (and an oversubscribed
+    # machine does not turn the in-process row into a measure of OpenMP spin-waits).
+    threads = threads or max(1, (os.cpu_count() or 1) // tp)
     page_size = 16
     with tempfile.TemporaryDirectory(prefix="kvray-dispatch-") as tmp:
         path = model_dir or tmp
@@ -228,8 +235,16 @@ def run(
             )
             results = []
             plan_bytes = 0
+            torch_threads = torch.get_num_threads()
             for name, make, s, t in runs:
-                r, plan_bytes = bench_executor(name, make, s, t, steps, warmup, running, prompt_len)
+                if name == "in_process":  # the same thread budget as one Ray rank
+                    torch.set_num_threads(threads)
+                try:
+                    r, plan_bytes = bench_executor(
+                        name, make, s, t, steps, warmup, running, prompt_len
+                    )
+                finally:
+                    torch.set_num_threads(torch_threads)
                 results.append(r)
         finally:
             if started:
@@ -239,6 +254,7 @@ def run(
     summary: dict[str, Any] = {
         "tp": tp,
         "running": running,
+        "in_process_threads": threads,
         "decode_plan_bytes": plan_bytes,
         "empty_plan_bytes": len(pickle.dumps(empty_plan())),
     }
@@ -251,7 +267,14 @@ def run(
             )
     return {
         "summary": summary,
-        "config": dict(tp=tp, steps=steps, warmup=warmup, running=running, prompt_len=prompt_len),
+        "config": dict(
+            tp=tp,
+            steps=steps,
+            warmup=warmup,
+            running=running,
+            prompt_len=prompt_len,
+            in_process_threads=threads,
+        ),
         "results": [asdict(r) for r in results],
     }
 
@@ -267,7 +290,8 @@ def format_table(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines = [
         f"per-step dispatch (submit + wait), tiny Llama, {s['running']} running requests; "
-        f"decode plan {s['decode_plan_bytes']} B pickled, empty plan {s['empty_plan_bytes']} B",
+        f"decode plan {s['decode_plan_bytes']} B pickled, empty plan {s['empty_plan_bytes']} B; "
+        f"in-process with {s['in_process_threads']} torch thread(s), like one Ray rank",
         f"{'executor':<20} {'tp':>2} {'empty p50 us':>12} {'empty mean':>10} "
         f"{'decode p50 us':>13} {'decode mean':>11} {'decode p99':>10}",
     ]
@@ -288,9 +312,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--running", type=int, default=8, help="requests in the decode batch")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--model", help="a checkpoint dir (default: a tiny random Llama)")
+    ap.add_argument(
+        "--threads", type=int, help="torch threads in process (default: cpu_count // tp)"
+    )
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args(argv)
-    report = run(args.tp, args.steps, args.warmup, args.running, args.prompt_len, args.model)
+    report = run(
+        args.tp, args.steps, args.warmup, args.running, args.prompt_len, args.model, args.threads
+    )
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:

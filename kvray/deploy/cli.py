@@ -102,7 +102,11 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     print("[kvray] shutting down...", file=sys.stderr, flush=True)
-    serve.shutdown()
+    # Bounded: when the whole process group got the signal, Serve's controller may already
+    # be gone, and serve.shutdown() would wait for it.
+    closer = threading.Thread(target=serve.shutdown, daemon=True)
+    closer.start()
+    closer.join(10)
     ray.shutdown()
     return 0
 

@@ -1,0 +1,831 @@
+"""The OpenAI-compatible HTTP API on Ray Serve, end to end on the embedded SmolLM2.
+
+One Serve app per module (the embedded model, float32, a 64-page KV pool so the pool, not the
+model, bounds the context), driven with the official `openai` client and raw `httpx`:
+completions and chat (streamed and not, n, stop strings, seeds, usage, logprobs), a
+malformed-input suite that must always answer 4xx with an OpenAI error body, client
+disconnects that must free every page, and the Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "SmolLM2-135M-Instruct"
+APP = "kvray"
+SCHEDULER_PREFIX = f"kvray-scheduler-{APP}-"
+PAGE_SIZE = 16
+NUM_PAGES = 64
+CONTEXT = NUM_PAGES * PAGE_SIZE  # 1024 < the model's 8192: the KV pool bounds a sequence
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    # Ray Serve's own config models still use pydantic v1-style Field extras.
+    pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`"),
+]
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> None:
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from kvray.models.embedded import ensure_embedded_model
+
+    return ensure_embedded_model(progress=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_app(model_dir: Path, api_key: str | None = None) -> Iterator[str]:
+    """Run the kvray Serve app; yields its root URL. Deletes it and stops Serve after."""
+    from ray import serve
+
+    from kvray.config import EngineConfig
+    from kvray.deploy.app import ServeSettings, build_app
+
+    config = EngineConfig(
+        model=str(model_dir), num_pages=NUM_PAGES, page_size=PAGE_SIZE, dtype="float32"
+    )
+    settings = ServeSettings(
+        engine=config.model_dump(), model_name=MODEL, app_name=APP, api_key=api_key
+    )
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(settings), name=APP, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.delete(APP)
+        finally:
+            serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(ray_session: None, model_dir: Path) -> Iterator[str]:
+    with serve_app(model_dir) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server, timeout=120) as c:
+        yield c
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def scheduler() -> Any:
+    """The one live scheduler actor of the app."""
+    live = []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if not a["name"].startswith(SCHEDULER_PREFIX):
+            continue
+        try:
+            actor = ray.get_actor(a["name"], namespace=a["namespace"])
+            ray.get(actor.stats.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - one left over from an app being deleted
+            continue
+        live.append(actor)
+    assert len(live) == 1, f"expected one live engine, found {len(live)}"
+    return live[0]
+
+
+def assert_engine_clean(timeout_s: float = 30.0) -> dict[str, Any]:
+    """No request left on the engine, page accounting balances, and once the prefix cache
+    is flushed every page is free. Returns the final stats."""
+    actor = scheduler()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = ray.get(actor.stats.remote())
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            ray.get(actor.flush_cache.remote())
+            if ray.get(actor.is_idle_and_empty.remote()):
+                break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle and empty after {timeout_s}s: {stats}")
+        time.sleep(0.1)
+    ray.get(actor.check_integrity.remote())
+    return ray.get(actor.stats.remote())
+
+
+def metrics(http: httpx.Client) -> dict[str, Any]:
+    """/metrics parsed: {family name: family}."""
+    r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def sample(families: dict[str, Any], name: str, suffix: str = "", **labels: str) -> float:
+    """The value of `name + suffix` whose labels include `labels` (model_name implied)."""
+    want = {"model_name": MODEL, **labels}
+    hits = [
+        s.value
+        for s in families[name].samples
+        if s.name == name + suffix and all(s.labels.get(k) == v for k, v in want.items())
+    ]
+    assert len(hits) == 1, f"{name}{suffix} {want}: {hits}"
+    return hits[0]
+
+
+def sse_events(resp: httpx.Response) -> list[dict[str, Any]]:
+    """Every `data:` event of a finished SSE response; the stream must end with [DONE]."""
+    events, done = [], False
+    for line in resp.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        assert not done, "data after [DONE]"
+        payload = line[len("data: ") :]
+        if payload == "[DONE]":
+            done = True
+        else:
+            events.append(json.loads(payload))
+    assert done, "the stream did not end with data: [DONE]"
+    return events
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# -- the happy path with the official client ----------------------------------------------------
+
+
+def test_health_and_models(http: httpx.Client, client: openai.OpenAI) -> None:
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+
+
+def test_chat_answers_paris_with_exact_usage(client: openai.OpenAI, tokenizer: Any) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert len(r.choices) == 1
+    choice = r.choices[0]
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert "Paris" in choice.message.content, choice.message.content
+    assert choice.finish_reason == "stop"  # ended at EOS, well before max_tokens
+    assert r.usage.prompt_tokens == len(chat_ids(tokenizer, FRANCE))
+    assert 1 <= r.usage.completion_tokens < 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_model_field_is_optional(http: httpx.Client) -> None:
+    r = http.post(_CMPL, json={"prompt": "Hello", "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == MODEL and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_chat_stream_equals_non_stream_and_usage_is_last(
+    client: openai.OpenAI, tokenizer: Any
+) -> None:
+    messages = [{"role": "user", "content": "Name three colors."}]
+    kw: dict[str, Any] = dict(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=10,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 10
+    assert whole.usage.prompt_tokens == len(chat_ids(tokenizer, messages))
+
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    # usage only on the last chunk, which has no choices
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    body = [c for c in chunks[:-1]]
+    text = "".join(c.choices[0].delta.content or "" for c in body)
+    assert text == whole.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in body]
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+
+    # Without include_usage no chunk carries usage.
+    plain = list(client.chat.completions.create(**kw, stream=True))
+    assert all(c.usage is None and c.choices for c in plain)
+    assert "".join(c.choices[0].delta.content or "" for c in plain) == text
+
+
+def test_completions_stream_equals_non_stream(client: openai.OpenAI, tokenizer: Any) -> None:
+    prompt = "The sky is blue because"
+    kw: dict[str, Any] = dict(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=10, extra_body={"ignore_eos": True}
+    )
+    whole = client.completions.create(**kw)
+    assert whole.object == "text_completion" and len(whole.choices) == 1
+    assert whole.choices[0].finish_reason == "length" and whole.choices[0].text
+    assert whole.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
+    assert whole.usage.completion_tokens == 10
+
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    text = "".join(c.choices[0].text for c in chunks[:-1])
+    assert text == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_raw_sse_framing(http: httpx.Client) -> None:
+    """Server-sent events: `data: {json}` lines, ending with `data: [DONE]`."""
+    body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events and all(e["object"] == "text_completion" for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_usage_counts_real_tokens(client: openai.OpenAI) -> None:
+    """Token-id prompts (a batch of two) make prompt_tokens independent of the tokenizer;
+    ignore_eos makes completion_tokens exactly max_tokens."""
+    p1, p2 = [504, 3458, 314, 4721, 28], list(range(1000, 1013))
+    r = client.completions.create(
+        model=MODEL, prompt=[p1, p2], temperature=0, max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.prompt_tokens == len(p1) + len(p2)
+    assert r.usage.completion_tokens == 2 * 5
+    assert r.usage.total_tokens == len(p1) + len(p2) + 10
+    # Each choice answers its own prompt: the same prompt alone gives the same greedy text.
+    alone = client.completions.create(
+        model=MODEL, prompt=p2, temperature=0, max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    by_index = {c.index: c.text for c in r.choices}
+    assert by_index[1] == alone.choices[0].text
+
+
+def test_prompt_exactly_filling_the_kv_pool_is_served(client: openai.OpenAI) -> None:
+    """prompt + max_tokens == the pool's capacity is accepted and finishes; one more is
+    rejected up front (not queued forever)."""
+    prompt = [(17 * i) % 40000 + 100 for i in range(CONTEXT - 4)]
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == CONTEXT - 4 and r.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=5)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_n2_gives_two_indexed_choices(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(
+        model=MODEL,
+        temperature=1.0,
+        seed=11,
+        n=2,
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+    )
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Write a short poem about the sea."}], **kw
+    )
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+    assert chat.usage.completion_tokens == 16
+    texts = [c.message.content for c in sorted(chat.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1], "the two sampled choices of a seeded request are identical"
+
+    cmpl = client.completions.create(prompt="Once upon a time", **kw)
+    assert sorted(c.index for c in cmpl.choices) == [0, 1]
+    assert cmpl.usage.completion_tokens == 16
+
+    # Streamed: both indexes appear, each ends with a finish_reason, and each index's text
+    # matches the non-streamed request with the same seed.
+    per: dict[int, str] = {0: "", 1: ""}
+    finished: dict[int, str] = {}
+    chunks = list(
+        client.completions.create(
+            prompt="Once upon a time", stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == cmpl.usage.prompt_tokens
+    for c in chunks[:-1]:
+        for ch in c.choices:
+            per[ch.index] += ch.text
+            if ch.finish_reason is not None:
+                finished[ch.index] = ch.finish_reason
+    assert finished == {0: "length", 1: "length"}
+    assert per == {c.index: c.text for c in cmpl.choices}
+
+
+def test_same_seed_same_sample_other_seed_differs(client: openai.OpenAI) -> None:
+    def draw(seed: int) -> str:
+        r = client.completions.create(
+            model=MODEL,
+            prompt="My favourite animal is the",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=12,
+            extra_body={"ignore_eos": True},
+        )
+        return r.choices[0].text
+
+    a, b, c = draw(1234), draw(1234), draw(98765)
+    assert a == b, "the same seed gave different samples"
+    assert a != c, "a different seed gave the same 12-token sample"
+
+
+def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    base: dict[str, Any] = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
+    aborted0 = ray.get(scheduler().stats.remote())["num_aborted"]
+    full = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    assert len(full) > 12, full
+    k = len(full) // 2
+    stop = full[k : k + 3]
+    assert stop.strip(), f"pick a better stop string from {full!r}"
+    want = full[: full.index(stop)]
+
+    r = client.completions.create(**base, stop=[stop, "\u2603never"])
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 16
+
+    streamed = list(client.completions.create(**base, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+    # chat too: a stop string cuts the assistant's answer
+    answer = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=24
+    ).choices[0]
+    assert "Paris" in answer.message.content
+    cut = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=24, stop=["Paris"]
+    ).choices[0]
+    assert cut.message.content == answer.message.content.split("Paris")[0]
+    assert cut.finish_reason == "stop"
+    # Ending at a stop string is a normal finish, not an abort.
+    assert ray.get(scheduler().stats.remote())["num_aborted"] == aborted0
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=FRANCE,
+        temperature=0,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    choice = r.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for entry in content:
+        assert isinstance(entry.token, str) and entry.logprob <= 0.0
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and all(v <= 0.0 for v in tops)
+        # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(tops[0], abs=1e-4)
+    assert "".join(e.token for e in content) == choice.message.content
+    # logprobs are off unless asked for
+    plain = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(
+        model=MODEL,
+        prompt="The capital of France is",
+        temperature=0,
+        max_tokens=6,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    r = client.completions.create(**kw)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == c.text
+    offset = 0
+    for tok, v, top, off in zip(
+        lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset, strict=True
+    ):
+        assert v <= 0.0
+        assert off == offset
+        offset += len(tok)
+        assert len(top) == 1 and top.get(tok) == pytest.approx(v, abs=1e-4)
+    # streamed: the per-chunk logprobs add up to the same thing
+    toks, offs = [], []
+    for chunk in client.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            toks += chunk.choices[0].logprobs.tokens
+            offs += chunk.choices[0].logprobs.text_offset
+    assert toks == lp.tokens and offs == lp.text_offset
+
+
+# -- malformed input ----------------------------------------------------------------------------
+
+_CHAT = "/v1/chat/completions"
+_CMPL = "/v1/completions"
+_MSG = [{"role": "user", "content": "hi"}]
+
+
+def _chat(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": _MSG, "max_tokens": 2, **kw}
+
+
+def _cmpl(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **kw}
+
+
+def _without(d: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k != key}
+
+
+# (id, method, path, body: bytes sent raw | object sent as JSON | None, status, param)
+MALFORMED: list[tuple[str, str, str, Any, int, str | None]] = [
+    ("bad-json", "POST", _CHAT, b'{"messages": [', 400, None),
+    ("bad-json-cmpl", "POST", _CMPL, b"{prompt: 'hi'}", 400, None),
+    ("not-utf8", "POST", _CMPL, b"\xff\xfe\xfa", 400, None),
+    ("array-body", "POST", _CHAT, b"[1, 2, 3]", 400, None),
+    ("string-body", "POST", _CMPL, b'"hello"', 400, None),
+    ("number-body", "POST", _CMPL, b"42", 400, None),
+    ("null-body", "POST", _CHAT, b"null", 400, None),
+    ("empty-body", "POST", _CHAT, b"", 400, None),
+    ("temperature-str", "POST", _CHAT, _chat(temperature="hot"), 400, "temperature"),
+    ("max-tokens-str", "POST", _CMPL, _cmpl(max_tokens="ten"), 400, "max_tokens"),
+    ("messages-str", "POST", _CHAT, _chat(messages="hello"), 400, "messages"),
+    ("prompt-int", "POST", _CMPL, _cmpl(prompt=5), 400, "prompt"),
+    ("prompt-dict", "POST", _CMPL, _cmpl(prompt={"text": "hi"}), 400, "prompt"),
+    ("prompt-mixed", "POST", _CMPL, _cmpl(prompt=["hi", 3]), 400, "prompt"),
+    ("max-tokens-neg", "POST", _CMPL, _cmpl(max_tokens=-1), 400, "max_tokens"),
+    ("max-tokens-zero", "POST", _CHAT, _chat(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-huge", "POST", _CHAT, _chat(max_tokens=10**12), 400, "max_tokens"),
+    ("max-tokens-huge-cmpl", "POST", _CMPL, _cmpl(max_tokens=CONTEXT), 400, "max_tokens"),
+    (
+        "max-completion-tokens-zero",
+        "POST",
+        _CHAT,
+        _chat(max_completion_tokens=0),
+        400,
+        "max_completion_tokens",
+    ),
+    ("temperature-neg", "POST", _CHAT, _chat(temperature=-0.5), 400, "temperature"),
+    ("temperature-nan", "POST", _CMPL, b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("top-p-above-1", "POST", _CHAT, _chat(top_p=1.5), 400, "top_p"),
+    ("top-p-zero", "POST", _CMPL, _cmpl(top_p=0), 400, "top_p"),
+    ("top-k-minus-2", "POST", _CMPL, _cmpl(top_k=-2), 400, "top_k"),
+    ("min-p-2", "POST", _CHAT, _chat(min_p=2), 400, "min_p"),
+    ("n-zero", "POST", _CHAT, _chat(n=0), 400, "n"),
+    ("n-1000", "POST", _CMPL, _cmpl(n=1000), 400, "n"),
+    ("n-fraction", "POST", _CMPL, _cmpl(n=1.5), 400, "n"),
+    ("seed-too-big", "POST", _CMPL, _cmpl(seed=2**70), 400, "seed"),
+    ("empty-messages", "POST", _CHAT, _chat(messages=[]), 400, "messages"),
+    (
+        "unknown-role",
+        "POST",
+        _CHAT,
+        _chat(messages=[{"role": "wizard", "content": "hi"}]),
+        400,
+        "messages",
+    ),
+    ("message-no-role", "POST", _CHAT, _chat(messages=[{"content": "hi"}]), 400, "messages"),
+    (
+        "message-content-int",
+        "POST",
+        _CHAT,
+        _chat(messages=[{"role": "user", "content": 7}]),
+        400,
+        "messages",
+    ),
+    (
+        "message-image-part",
+        "POST",
+        _CHAT,
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]),
+        400,
+        "messages",
+    ),
+    ("missing-messages", "POST", _CHAT, _without(_chat(), "messages"), 400, "messages"),
+    ("missing-prompt", "POST", _CMPL, _without(_cmpl(), "prompt"), 400, "prompt"),
+    ("empty-prompt-list", "POST", _CMPL, _cmpl(prompt=[]), 400, "prompt"),
+    ("empty-token-prompt", "POST", _CMPL, _cmpl(prompt=[[]]), 400, "prompt"),
+    ("empty-prompt-str", "POST", _CMPL, _cmpl(prompt=""), 400, "prompt"),
+    ("prompt-too-long", "POST", _CMPL, _cmpl(prompt=[100] * (CONTEXT + 10)), 400, "prompt"),
+    (
+        "prompt-text-too-long",
+        "POST",
+        _CMPL,
+        _cmpl(prompt="hello " * (CONTEXT + 10)),
+        400,
+        "prompt",
+    ),
+    (
+        "chat-too-long",
+        "POST",
+        _CHAT,
+        _chat(messages=[{"role": "user", "content": "hello " * (CONTEXT + 10)}]),
+        400,
+        "messages",
+    ),
+    ("oov-token", "POST", _CMPL, _cmpl(prompt=[10**9]), 400, "prompt"),
+    ("vocab-size-token", "POST", _CMPL, _cmpl(prompt=[1, 2, 49152]), 400, "prompt"),
+    ("negative-token", "POST", _CMPL, _cmpl(prompt=[5, -1]), 400, "prompt"),
+    ("oov-in-batch", "POST", _CMPL, _cmpl(prompt=[[1, 2], [3, 10**9]]), 400, "prompt"),
+    ("unknown-model-chat", "POST", _CHAT, _chat(model="gpt-4"), 404, "model"),
+    ("unknown-model-cmpl", "POST", _CMPL, _cmpl(model="nope"), 404, "model"),
+    ("presence-penalty", "POST", _CHAT, _chat(presence_penalty=1), 400, "presence_penalty"),
+    ("frequency-penalty", "POST", _CMPL, _cmpl(frequency_penalty=0.5), 400, "frequency_penalty"),
+    ("logit-bias", "POST", _CHAT, _chat(logit_bias={"42": 10}), 400, "logit_bias"),
+    ("echo", "POST", _CMPL, _cmpl(echo=True), 400, "echo"),
+    ("suffix", "POST", _CMPL, _cmpl(suffix="!"), 400, "suffix"),
+    ("best-of", "POST", _CMPL, _cmpl(best_of=3), 400, "best_of"),
+    ("stop-empty", "POST", _CHAT, _chat(stop=""), 400, "stop"),
+    ("stop-empty-in-list", "POST", _CMPL, _cmpl(stop=["x", ""]), 400, "stop"),
+    ("stop-too-many", "POST", _CHAT, _chat(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+    ("stop-int", "POST", _CMPL, _cmpl(stop=5), 400, "stop"),
+    ("top-logprobs-no-logprobs", "POST", _CHAT, _chat(top_logprobs=2), 400, "top_logprobs"),
+    (
+        "top-logprobs-too-many",
+        "POST",
+        _CHAT,
+        _chat(logprobs=True, top_logprobs=21),
+        400,
+        "top_logprobs",
+    ),
+    ("cmpl-logprobs-neg", "POST", _CMPL, _cmpl(logprobs=-1), 400, "logprobs"),
+    ("cmpl-logprobs-too-many", "POST", _CMPL, _cmpl(logprobs=50), 400, "logprobs"),
+    (
+        "stream-options-bad",
+        "POST",
+        _CHAT,
+        _chat(stream=True, stream_options={"include_usage": "maybe"}),
+        400,
+        "stream_options",
+    ),
+    ("stream-dict", "POST", _CMPL, _cmpl(stream={"a": 1}), 400, "stream"),
+    ("stop-token-ids-str", "POST", _CMPL, _cmpl(stop_token_ids=["a"]), 400, "stop_token_ids"),
+    ("stream-too-long", "POST", _CMPL, _cmpl(stream=True, max_tokens=CONTEXT), 400, "max_tokens"),
+    ("stream-unknown-model", "POST", _CHAT, _chat(stream=True, model="gpt-4"), 404, "model"),
+    ("unknown-route", "POST", "/v1/embeddings", _cmpl(), 404, None),
+    ("unknown-route-get", "GET", "/v2/models", None, 404, None),
+    ("wrong-method-chat", "GET", _CHAT, None, 405, None),
+    ("wrong-method-cmpl", "PUT", _CMPL, _cmpl(), 405, None),
+    ("wrong-method-models", "POST", "/v1/models", _cmpl(), 405, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "param"),
+    [pytest.param(*case[1:], id=case[0]) for case in MALFORMED],
+)
+def test_malformed_input_is_a_4xx_with_an_openai_error_body(
+    http: httpx.Client, method: str, path: str, body: Any, status: int, param: str | None
+) -> None:
+    if isinstance(body, bytes):
+        r = http.request(method, path, content=body, headers={"content-type": "application/json"})
+    elif body is None:
+        r = http.request(method, path)
+    else:
+        r = http.request(method, path, json=body)
+    assert r.status_code == status, r.text
+    body_json = r.json()
+    assert set(body_json) == {"error"}, body_json
+    err = body_json["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    assert err["param"] == param, err
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=-1)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError) as e2:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert e2.value.body["param"] == "model"
+
+
+def test_server_still_answers_after_malformed_input(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    assert "Paris" in r.choices[0].message.content
+    # Nothing a rejected request touched was left behind on the engine.
+    assert_engine_clean()
+
+
+# -- client disconnects -------------------------------------------------------------------------
+
+
+def test_dropped_streams_free_their_pages(http: httpx.Client, server: str) -> None:
+    before = metrics(http)
+    aborted0 = sample(before, "kvray:num_aborted_requests", "_total")
+    stats0 = assert_engine_clean()
+
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a very long story about a dragon.",
+        "max_tokens": CONTEXT - 64,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+    }
+    clients = [httpx.Client(base_url=server, timeout=120) for _ in range(10)]
+    responses = []
+    try:
+        for i, c in enumerate(clients):
+            path = _CMPL if i % 2 == 0 else _CHAT
+            req_body = (
+                dict(body)
+                if path == _CMPL
+                else {
+                    **_without(body, "prompt"),
+                    "messages": [{"role": "user", "content": body["prompt"]}],
+                }
+            )
+            r = c.send(c.build_request("POST", path, json=req_body), stream=True)
+            assert r.status_code == 200
+            responses.append(r)
+        # Read a couple of events from each: every request is now generating. The line
+        # iterators stay referenced: a collected httpx iterator closes its connection.
+        readers = [r.iter_lines() for r in responses]
+        for lines in readers:
+            got = 0
+            while got < 2:
+                line = next(lines)
+                if line.startswith("data: "):
+                    assert line != "data: [DONE]"
+                    got += 1
+        running = ray.get(scheduler().stats.remote())
+        assert running["num_running"] + running["num_waiting"] == 10, running
+        assert running["kv_cache_usage"] > 0
+    finally:
+        for r in responses:
+            r.close()
+        for c in clients:
+            c.close()
+
+    stats = assert_engine_clean(timeout_s=30)
+    assert stats["num_aborted"] - stats0["num_aborted"] == 10, stats
+    after = metrics(http)
+    assert sample(after, "kvray:num_aborted_requests", "_total") - aborted0 == 10
+    assert sample(after, "kvray:num_requests_running") == 0
+    assert sample(after, "kvray:num_requests_waiting") == 0
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+HISTOGRAMS = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+)
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+COUNTERS = (
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "request_success",
+    "num_aborted_requests",
+)
+
+
+def test_metrics_families_are_all_there(http: httpx.Client) -> None:
+    fams = metrics(http)
+    expected = (
+        [(h, "histogram") for h in HISTOGRAMS]
+        + [(g, "gauge") for g in GAUGES]
+        + [(c, "counter") for c in COUNTERS]
+    )
+    for name, kind in expected:
+        fam = fams.get(f"kvray:{name}")
+        assert fam is not None, f"kvray:{name} missing from /metrics"
+        assert fam.type == kind, (name, fam.type)
+        assert fam.samples, name
+        for s in fam.samples:
+            assert s.labels.get("model_name") == MODEL, (s.name, s.labels)
+    reasons = {
+        s.labels["finished_reason"]
+        for s in fams["kvray:request_success"].samples
+        if s.name == "kvray:request_success_total"
+    }
+    assert {"stop", "length"} <= reasons
+    usage = sample(fams, "kvray:kv_cache_usage_perc")
+    assert 0.0 <= usage <= 1.0
+
+
+def test_metrics_move_with_requests(client: openai.OpenAI, http: httpx.Client) -> None:
+    assert_engine_clean()  # an empty prefix cache: the first request below hits nothing
+    m0 = metrics(http)
+
+    def delta(m1: dict[str, Any], name: str, suffix: str = "", **labels: str) -> float:
+        return sample(m1, name, suffix, **labels) - sample(m0, name, suffix, **labels)
+
+    prompt = [(31 * i) % 30000 + 200 for i in range(200)]  # 12 full pages and a bit
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 3
+    m1 = metrics(http)
+    assert delta(m1, "kvray:prompt_tokens", "_total") == 200
+    assert delta(m1, "kvray:generation_tokens", "_total") == 3
+    assert delta(m1, "kvray:request_success", "_total", finished_reason="length") == 1
+    assert delta(m1, "kvray:request_success", "_total", finished_reason="stop") == 0
+    assert delta(m1, "kvray:prefix_cache_queries", "_total") == 200
+    assert delta(m1, "kvray:prefix_cache_hits", "_total") == 0
+    assert delta(m1, "kvray:e2e_request_latency_seconds", "_count") == 1
+    assert delta(m1, "kvray:time_to_first_token_seconds", "_count") == 1
+    assert delta(m1, "kvray:inter_token_latency_seconds", "_count") == 2
+    assert delta(m1, "kvray:request_queue_time_seconds", "_count") == 1
+    assert delta(m1, "kvray:request_prompt_tokens", "_sum") == 200
+    assert delta(m1, "kvray:request_generation_tokens", "_sum") == 3
+    assert delta(m1, "kvray:request_generation_tokens", "_count") == 1
+    assert sample(m1, "kvray:num_requests_running") == 0
+
+    # The same long prompt again: its full pages come from the prefix cache.
+    client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=1)
+    m2 = metrics(http)
+    hits = sample(m2, "kvray:prefix_cache_hits", "_total") - sample(
+        m1, "kvray:prefix_cache_hits", "_total"
+    )
+    assert hits >= 12 * PAGE_SIZE, hits
+    assert delta(m2, "kvray:prefix_cache_queries", "_total") == 400
+    assert delta(m2, "kvray:prompt_tokens", "_total") == 400
+
+    # A chat that ends at EOS counts as a "stop" success.
+    client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    m3 = metrics(http)
+    assert delta(m3, "kvray:request_success", "_total", finished_reason="stop") == 1
+    assert delta(m3, "kvray:request_success", "_total", finished_reason="length") == 2
+
+
+# -- last: a known failure must not stop the rest under -x ----------------------------------------
+
+
+def test_deeply_nested_json_is_a_400(http: httpx.Client, client: openai.OpenAI) -> None:
+    """JSON nested deeper than the parser's recursion limit is malformed input too."""
+    body = b"[" * 100_000 + b"]" * 100_000
+    r = http.post(_CHAT, content=body, headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    # and the server is still up whatever the status
+    ok = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    assert "Paris" in ok.choices[0].message.content
+    assert r.status_code == 400, r.text
