@@ -17,6 +17,7 @@ of that engine is left in the cluster.
 
 from __future__ import annotations
 
+import gc
 import pickle
 import random
 import time
@@ -147,19 +148,34 @@ def shutdown_and_check(llm: LLM, before: tuple[set[str], set[str]]) -> None:
     finally:
         _LIVE.remove(llm)
         llm.shutdown()
+    left_actors, left_pgs = wait_released(before)
+    assert not left_actors and not left_pgs, (
+        f"after shutdown: actors {sorted(left_actors)} still alive, "
+        f"placement groups {sorted(left_pgs)} not removed"
+    )
+
+
+def wait_released(
+    before: tuple[set[str], set[str]], timeout_s: float = 20.0
+) -> tuple[set[str], set[str]]:
+    """Wait until no actor or placement group created since `before` is left; returns
+    what is still left when the time is up."""
     actors_before, pgs_before = before
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + timeout_s
     while True:
         actors, pgs = cluster_snapshot()
         left_actors, left_pgs = actors - actors_before, pgs - pgs_before
-        if not left_actors and not left_pgs:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"after shutdown: actors {sorted(left_actors)} still alive, "
-                f"placement groups {sorted(left_pgs)} not removed"
-            )
+        if (not left_actors and not left_pgs) or time.monotonic() > deadline:
+            return left_actors, left_pgs
         time.sleep(0.2)
+
+
+def remove_placement_groups(ids: set[str]) -> None:
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    for pg_id in ids:
+        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
 
 
 @pytest.fixture(autouse=True)
@@ -418,6 +434,33 @@ def test_worker_killed_mid_generation(kvray_ray_cluster, tiny, kill_refs, compil
 
 
 # -- 6: nothing is left in the cluster ------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["scheduler_killed", "llm_dropped"])
+def test_engine_lost_without_shutdown_releases_its_placement_group(
+    kvray_ray_cluster, tiny, how
+) -> None:
+    entry = tiny["kv2"]
+    before = cluster_snapshot()
+    llm = LLM(
+        model=str(entry["path"]),
+        tp_size=2,
+        dtype="float32",
+        page_size=PAGE_SIZE,
+        num_pages=NUM_PAGES,
+        progress=False,
+    )
+    assert llm.generate(PROMPTS[0], greedy(4))[0].token_ids == entry["hf"][0][:4]
+    if how == "scheduler_killed":
+        ray.kill(llm.engine.actor)  # the scheduler crashed: its shutdown call cannot run
+        llm.shutdown()
+    else:
+        del llm  # the actor handle goes out of scope: Ray ends the SchedulerActor
+        gc.collect()
+    left_actors, left_pgs = wait_released(before, timeout_s=10)
+    remove_placement_groups(left_pgs)  # give the bundles back to the rest of the session
+    assert not left_actors, f"actors left alive: {sorted(left_actors)}"
+    assert not left_pgs, f"placement groups left behind: {sorted(left_pgs)}"
 
 
 def kvray_actors_alive() -> set[str]:

@@ -7,10 +7,13 @@ forwards requests to it. Data parallelism is several Engines.
 
 from __future__ import annotations
 
+import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import ray
+from ray.util.placement_group import remove_placement_group
 
 from kvray.cluster.scheduler_actor import SchedulerActor
 from kvray.cluster.spec import EngineSpec
@@ -61,6 +64,7 @@ class Engine:
             device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
         # A named scheduler can be found by the API server (metrics, stop-string aborts).
         self.name = name
+        self.pg_name_prefix = f"kvray-pg-{uuid.uuid4().hex[:12]}"
         self.actor = (
             ray.remote(SchedulerActor)
             .options(
@@ -69,12 +73,15 @@ class Engine:
                 name=name,
                 namespace=ACTOR_NAMESPACE if name else None,
             )
-            .remote(self.spec, device, compiled, worker_cpus)
+            .remote(self.spec, device, compiled, worker_cpus, self.pg_name_prefix)
         )
+        # Whatever way this Engine goes (shutdown, garbage collection, interpreter exit),
+        # its actor is killed and its placement groups are removed.
+        self._finalizer = weakref.finalize(self, _release, self.actor, self.pg_name_prefix)
         try:
-            _call(self.actor.ready.remote())
+            _call(self.actor.start.remote())
         except BaseException:
-            ray.kill(self.actor)
+            self._finalizer()
             raise
 
     def submit(self, input_ids: Sequence[int], sampling: SamplingParams) -> int:
@@ -107,5 +114,24 @@ class Engine:
     def shutdown(self) -> None:
         try:
             _call(self.actor.shutdown.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - a dead or stuck actor: _release cleans up anyway
+            pass
         finally:
-            ray.kill(self.actor)
+            self._finalizer()
+
+
+def _release(actor: Any, pg_name_prefix: str) -> None:
+    """Kill the scheduler actor (its workers die with it) and remove its placement groups."""
+    if not ray.is_initialized():
+        return
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+    for info in ray.util.placement_group_table().values():
+        name = info.get("name", "")
+        if name.startswith(pg_name_prefix) and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(ray.util.get_placement_group(name))
+            except Exception:  # noqa: BLE001 - removed meanwhile
+                pass

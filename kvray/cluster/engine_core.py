@@ -155,5 +155,10 @@ class EngineCore:
         with self._lock:
             return not self._inflight and self.scheduler.is_idle_and_empty()
 
+    def kv_buffer_shapes(self) -> list[tuple[int, ...]]:
+        with self._lock:  # not during a rebuild
+            return self.executor.kv_buffer_shapes()
+
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        with self._lock:
+            self.executor.shutdown()

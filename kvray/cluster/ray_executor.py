@@ -38,6 +38,7 @@ class RayExecutor(Executor):
         worker_cpus: float = 1.0,
         step_timeout_s: float = 600.0,
         ready_timeout_s: float = 120.0,
+        pg_name_prefix: str = "",
     ) -> None:
         self.spec = spec
         self.tp_size = tp_size
@@ -46,6 +47,10 @@ class RayExecutor(Executor):
         self.worker_cpus = worker_cpus
         self.step_timeout_s = step_timeout_s
         self.use_gpu = spec.device.startswith("cuda")
+        # Placement groups outlive the actor that created them (Ray scopes them to the job),
+        # so each gets a name the Engine can find and remove if this actor dies uncleanly.
+        self.pg_name_prefix = pg_name_prefix
+        self._generation = 0
         self.actors: list[Any] = []
         self.pg: Any = None
         self._dag: Any = None
@@ -58,8 +63,11 @@ class RayExecutor(Executor):
         bundle: dict[str, float] = {"CPU": self.worker_cpus}
         if self.use_gpu:
             bundle["GPU"] = 1
+        self._generation += 1
         self.pg = placement_group(
-            [dict(bundle) for _ in range(self.tp_size)], strategy=self.placement_strategy
+            [dict(bundle) for _ in range(self.tp_size)],
+            strategy=self.placement_strategy,
+            name=f"{self.pg_name_prefix}-{self._generation}" if self.pg_name_prefix else "",
         )
         try:
             ray.get(self.pg.ready(), timeout=max(deadline - time.monotonic(), 1))

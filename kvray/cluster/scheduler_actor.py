@@ -1,7 +1,8 @@
 """SchedulerActor: one engine's scheduler as a Ray actor, driving its TP workers.
 
-It owns the EngineCore (scheduler + RayExecutor, whose worker actors and placement group
-are owned by this actor, so they go when it goes). A loop thread runs the overlapped step
+It owns the EngineCore (scheduler + RayExecutor). The worker actors are owned by this
+actor and die with it; the placement group is scoped to the job, so the Engine that started
+this actor removes it by name when the engine goes. A loop thread runs the overlapped step
 loop; the asyncio side takes requests and hands each one its events: `stream(rid)` is an
 async generator (for the Serve front), `poll(rids)` returns whatever is ready (for the
 offline LLM).
@@ -22,21 +23,33 @@ from kvray.core import FinishReason, SamplingParams, TokenEvent
 
 class SchedulerActor:
     def __init__(
-        self, spec: EngineSpec, device: str, compiled: bool = True, worker_cpus: float = 1.0
+        self,
+        spec: EngineSpec,
+        device: str,
+        compiled: bool = True,
+        worker_cpus: float = 1.0,
+        pg_name_prefix: str = "",
     ) -> None:
-        executor = RayExecutor(
+        self._args = (spec, device, compiled, worker_cpus, pg_name_prefix)
+        self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvray-step-loop", daemon=True)
+
+    async def start(self) -> None:
+        """Build the TP group (off the event loop: it waits on Ray) and start stepping."""
+        spec, device, compiled, worker_cpus, pg_name_prefix = self._args
+        executor = await asyncio.to_thread(
+            RayExecutor,
             spec.worker_spec(device),
             spec.config.tp_size,
             compiled=compiled,
             placement_strategy=spec.config.placement_strategy,
             worker_cpus=worker_cpus,
+            pg_name_prefix=pg_name_prefix,
         )
         self.core = EngineCore(spec, executor, max_inflight=2)
-        self._loop = asyncio.get_event_loop()
-        self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="kvray-step-loop", daemon=True)
+        self._loop = asyncio.get_running_loop()
         self._thread.start()
 
     # -- the step loop (its own thread) --------------------------------------------------------
@@ -140,7 +153,7 @@ class SchedulerActor:
         return self.core.is_idle_and_empty()
 
     async def kv_buffer_shapes(self) -> list[tuple[int, ...]]:
-        return self.core.executor.kv_buffer_shapes()
+        return await asyncio.to_thread(self.core.kv_buffer_shapes)
 
     async def kill_worker(self, rank: int) -> None:
         assert isinstance(self.core.executor, RayExecutor)
@@ -149,5 +162,7 @@ class SchedulerActor:
     async def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
-        self.core.shutdown()
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, 10)
+        if hasattr(self, "core"):
+            await asyncio.to_thread(self.core.shutdown)
