@@ -159,13 +159,14 @@ def smol_ids(smol) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def smol_hf(smol):
-    return AutoModelForCausalLM.from_pretrained(str(smol.spec.model_path), dtype=torch.float32)
+    path = str(smol.spec.model_path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def smol_refs(smol_hf, smol_ids) -> list[list[int]]:
     """HF greedy continuations, one unpadded prompt at a time, EOS ignored."""
-    return [hf_greedy(smol_hf.eval(), ids, SMOL_MAX_TOKENS) for ids in smol_ids]
+    return [hf_greedy(smol_hf, ids, SMOL_MAX_TOKENS) for ids in smol_ids]
 
 
 def test_smollm2_greedy_batch_matches_hf(smol, smol_ids, smol_refs) -> None:
@@ -281,6 +282,22 @@ def test_tiny_greedy_under_memory_pressure(tiny, variant, cache, page_size) -> N
         assert 0 <= o.num_cached_tokens <= len(o.prompt_token_ids)
 
 
+def test_num_cached_tokens_counts_prompt_tokens_only(tiny_checkpoints) -> None:
+    """Requests retracted mid-decode are re-admitted by matching prompt + generated tokens;
+    `num_cached_tokens` ("prompt tokens served from the prefix cache") still counts prompt
+    tokens only, so it can never exceed the prompt."""
+    path, hf = tiny_checkpoints["llama"]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, TINY_VOCAB) for _ in range(8)] for _ in range(3)]
+    refs = [hf_greedy(hf, p, 40) for p in prompts]
+    llm = new_llm(path, page_size=4, num_pages=16, max_prefill_tokens=8)  # 64 token slots
+    outs = llm.generate(prompts, greedy(40))
+    assert_same_tokens([o.token_ids for o in outs], refs, "retracted mid-decode vs HF")
+    assert llm.engine.scheduler.stats.num_preemptions > 0, "the pool was never short"
+    cached = [(o.num_cached_tokens, len(o.prompt_token_ids)) for o in outs]
+    assert all(n <= len_prompt for n, len_prompt in cached), cached
+
+
 # -- 3. prefix reuse --------------------------------------------------------------------------
 
 PREFIX_LEN = 200
@@ -376,7 +393,6 @@ def test_seeded_sampling_is_reproducible(smol) -> None:
     other = new_llm(None, num_pages=64, page_size=4, cache="naive", seed=7)
     (there,) = other.generate([prompt], [_sampling(seed)])
     assert there.token_ids == alone.token_ids
-    del other
 
     # Different seeds give different samples; so do unseeded requests (each gets its own).
     outs = smol.generate([prompt] * 5, [_sampling(s) for s in (1, 2, 3, None, None)])
@@ -450,6 +466,19 @@ def test_stop_string_completed_by_the_last_allowed_token(smol, long_ref) -> None
     assert out.token_ids == ref[:n]
     assert out.text == text[:at]
     assert out.finish_reason == "stop"
+
+
+def test_stop_string_finish_reports_cached_prompt_tokens(smol, long_ref) -> None:
+    """A request that ends on a stop string still reports the prompt tokens it found in
+    the prefix cache (like one that ends by length or EOS)."""
+    ids, ref, text = long_ref
+    stop, at = _boundary_stop(smol.tokenizer, ref, text)
+    smol.generate(ids, greedy(1))  # leaves the prompt in the prefix cache
+    (by_length,) = smol.generate(ids, greedy(2))
+    assert by_length.num_cached_tokens >= len(ids) - 16
+    (by_stop,) = smol.generate(ids, greedy(STOP_MAX_TOKENS, stop=[stop]))
+    assert by_stop.finish_reason == "stop" and by_stop.text == text[:at]
+    assert by_stop.num_cached_tokens == by_length.num_cached_tokens
 
 
 def test_stop_token_ids_and_max_tokens(smol, long_ref) -> None:

@@ -90,8 +90,8 @@ class Engine:
     def poll(self, rids: Sequence[int], timeout_s: float = 1.0) -> list[TokenEvent]:
         return _call(self.actor.poll.remote(list(rids), timeout_s))
 
-    def abort(self, rid: int, reason: FinishReason = FinishReason.ABORT) -> None:
-        _call(self.actor.abort.remote(rid, reason.value))
+    def abort(self, rid: int, reason: FinishReason = FinishReason.ABORT) -> TokenEvent | None:
+        return _call(self.actor.abort.remote(rid, reason.value))
 
     def stats(self) -> dict[str, Any]:
         return _call(self.actor.stats.remote())

@@ -31,6 +31,10 @@ class CompletionOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+def _is_stop_token(ev: TokenEvent, sp: SamplingParams) -> bool:
+    return ev.finish_reason is FinishReason.STOP and ev.token_id in sp.stop_token_ids
+
+
 def load_tokenizer(path: Any) -> Any:
     from transformers import AutoTokenizer
 
@@ -145,18 +149,20 @@ class LLM:
         detoks: dict[int, IncrementalDetokenizer] = {}
         order: list[int] = []
         live: set[int] = set()
+        params_of: dict[int, SamplingParams] = {}
         try:
             for ids, sp in zip(prompt_ids, params, strict=True):
                 rid = self._submit(ids, sp)
                 order.append(rid)
                 live.add(rid)
                 outputs[rid] = CompletionOutput(prompt_token_ids=ids)
+                params_of[rid] = sp
                 detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
             while live:
                 for ev in self._events(live):
                     if ev.rid not in live:
                         continue
-                    self._apply(ev, outputs[ev.rid], detoks[ev.rid])
+                    self._apply(ev, outputs[ev.rid], detoks[ev.rid], params_of[ev.rid])
                     if outputs[ev.rid].finish_reason is not None:
                         live.discard(ev.rid)
         except BaseException:
@@ -165,23 +171,31 @@ class LLM:
             raise
         return [outputs[rid] for rid in order]
 
-    def _apply(self, ev: TokenEvent, out: CompletionOutput, detok: IncrementalDetokenizer) -> None:
+    def _apply(
+        self,
+        ev: TokenEvent,
+        out: CompletionOutput,
+        detok: IncrementalDetokenizer,
+        sp: SamplingParams,
+    ) -> None:
         if ev.error is not None:
             raise EngineFailed(ev.error)
+        final = ev if ev.finished else None
         if ev.token_id is not None:
             out.token_ids.append(ev.token_id)
             if ev.logprob is not None:
                 out.logprobs.append(ev.logprob)
-            detok.push(ev.token_id)
-            if detok.stopped and not ev.finished:
-                self.engine.abort(ev.rid, FinishReason.STOP)
-                out.finish_reason = FinishReason.STOP.value
-        if ev.finished and out.finish_reason is None:
-            out.finish_reason = ev.finish_reason.value  # type: ignore[union-attr]
-        if out.finish_reason is not None:
-            detok.flush()
-            out.text = detok.text
-            out.num_cached_tokens = ev.num_cached_tokens or out.num_cached_tokens
+            if not _is_stop_token(ev, sp):  # like vLLM, a stop token's text is not output
+                detok.push(ev.token_id)
+            if detok.stopped and final is None:  # a stop string: end the request here
+                final = self.engine.abort(ev.rid, FinishReason.STOP)
+        if final is None:
+            return
+        # A stop string wins over length (the token that completed it may be the last one).
+        out.finish_reason = FinishReason.STOP.value if detok.stopped else final.finish_reason
+        detok.flush()
+        out.text = detok.text
+        out.num_cached_tokens = final.num_cached_tokens or 0
 
     def chat(
         self,

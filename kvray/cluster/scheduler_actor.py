@@ -87,10 +87,12 @@ class SchedulerActor:
         self._wake.set()
         return rid
 
-    async def abort(self, rid: int, reason: str = "abort") -> None:
+    async def abort(self, rid: int, reason: str = "abort") -> TokenEvent | None:
+        """End a request; its stream gets the finishing event, which is also returned."""
         ev = self.core.abort(rid, FinishReason(reason))
         if ev is not None:
             self._deliver([ev])
+        return ev
 
     async def _next(self, rid: int) -> list[TokenEvent]:
         """Wait for at least one event of `rid`, then take all that are ready."""

@@ -111,14 +111,15 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.what == "scheduler":
-        from kvray.bench import scheduler
+_BENCHES = ("scheduler", "dispatch")
 
-        scheduler.main(args.rest)
-        return 0
-    print(f"unknown benchmark {args.what!r}", file=sys.stderr)
-    return 2
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"kvray.bench.{args.what}")
+    module.main(args.rest)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="benchmarks (see `kvray bench scheduler --help`)")
-    b.add_argument("what", choices=["scheduler"])
+    b.add_argument("what", choices=_BENCHES)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_bench)
 

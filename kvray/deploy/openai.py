@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvray.core import RequestRejected, SamplingParams, TokenEvent
+from kvray.core import FinishReason, RequestRejected, SamplingParams, TokenEvent
 from kvray.deploy.metrics import RequestMetrics
 from kvray.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from kvray.detokenizer import IncrementalDetokenizer
@@ -74,6 +74,12 @@ class _Delta:
     token_ids: list[int]
     logprobs: list[tuple[int, float, tuple[tuple[int, float], ...] | None]]
     finish_reason: str | None
+
+
+def _is_stop_token(ev: TokenEvent, sp: SamplingParams) -> bool:
+    """The request ended on one of its stop_token_ids (EOS is handled by skipping special
+    tokens in the text)."""
+    return ev.finish_reason is FinishReason.STOP and ev.token_id in sp.stop_token_ids
 
 
 def _now() -> int:
@@ -204,13 +210,15 @@ class OpenAIServing:
                             (m.ttft if generated == 0 else m.itl).observe(now - last)
                         last = now
                         generated += 1
-                        text = detok.push(ev.token_id)
+                        if not _is_stop_token(ev, sp):  # like vLLM, its text is not output
+                            text = detok.push(ev.token_id)
                         if ev.logprob is not None:
                             lps.append((ev.token_id, ev.logprob, ev.top_logprobs))
                     reason = ev.finish_reason.value if ev.finish_reason is not None else None
-                    if detok.stopped and reason is None:
+                    if detok.stopped:  # a stop string wins over length, as in vLLM
+                        if reason is None:
+                            await stream.abort("stop")
                         reason = "stop"
-                        await stream.abort("stop")
                     if reason is not None:
                         text += detok.flush()
                         finished = True

@@ -209,11 +209,11 @@ class Scheduler:
                 self.running.append(req)
                 prefilling.append(req)
                 admitted.append(Admission(req.table_idx, req.rid, req.sampling, req.seed))
-                self.stats.prefix_query_tokens += len(req.input_ids)
-                self.stats.prefix_hit_tokens += req.cached_len
-                req.num_cached_prompt = req.cached_len
-                if req.first_scheduled_time is None:
+                if req.first_scheduled_time is None:  # first admission (not a re-admission)
                     req.first_scheduled_time = time.monotonic()
+                    req.num_cached_prompt = min(req.cached_len, req.prompt_len)
+                    self.stats.prefix_query_tokens += req.prompt_len
+                    self.stats.prefix_hit_tokens += req.num_cached_prompt
                 adder.take(req, chunk)
                 batch.append((req, chunk, True))
             self.waiting.extendleft(reversed(deferred))
