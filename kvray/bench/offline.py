@@ -1,0 +1,254 @@
+"""`kvray bench offline`: throughput against Hugging Face transformers, side by side.
+
+    kvray bench offline [--num-requests 128] [--input-len 32 512] [--output-len 32 256]
+                        [--hf-batch 64] [--dtype bfloat16] [--json PATH]
+
+One seeded workload (random token-id prompts, fixed output lengths, EOS ignored) runs
+through `kvray.LLM` and through transformers `generate` in static batches of `--hf-batch`
+(left padded, each batch generating to its longest request), on the same model, dtype and
+threads. Throughput counts the tokens each request asked for. A third phase measures steady
+decode with `--decode-running` requests running and reports the model FLOP/s achieved
+(2 x (non-embedding parameters + LM head) per token) against the bf16 matmul peak measured
+in the same run (`decode_mfu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvray.bench.report import machine_info, print_table, write_bars, write_json
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(
+    n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
+) -> Workload:
+    rng = random.Random(seed)
+    lo, hi = 100, vocab - 100  # clear of special tokens at either end
+    prompts = [[rng.randrange(lo, hi) for _ in range(rng.randint(*input_len))] for _ in range(n)]
+    return Workload(prompts, [rng.randint(*output_len) for _ in range(n)])
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 2.0) -> float:
+    """Best sustained FLOP/s of an n x n x n matmul in `dtype` on this machine."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - t))
+    return best
+
+
+def model_flops_per_token(model: torch.nn.Module, vocab: int, hidden: int) -> float:
+    """2 x (parameters outside the embedding + the LM head)."""
+    total = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    has_head = any("lm_head" in name for name, _ in model.named_parameters())
+    return 2.0 * (total + (0 if has_head else vocab * hidden))
+
+
+def run_kvray(llm: Any, wl: Workload) -> dict[str, float]:
+    from kvray import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    t = time.perf_counter()
+    outs = llm.generate(wl.prompts, params)
+    elapsed = time.perf_counter() - t
+    produced = sum(len(o.token_ids) for o in outs)
+    assert produced == wl.output_tokens, (produced, wl.output_tokens)
+    return _rates(wl, elapsed)
+
+
+def run_hf(path: str, wl: Workload, dtype: torch.dtype, batch: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    pad = model.generation_config.pad_token_id
+    pad = 0 if pad is None else int(pad if isinstance(pad, int) else pad[0])
+    t = time.perf_counter()
+    batches = range(0, len(wl.prompts), batch)
+    for i in tqdm(batches, desc="hf generate", unit="batch"):
+        prompts, outs = wl.prompts[i : i + batch], wl.output_lens[i : i + batch]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(outs),
+                min_new_tokens=max(outs),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
+    elapsed = time.perf_counter() - t
+    del model
+    return _rates(wl, elapsed)
+
+
+def _rates(wl: Workload, elapsed: float) -> dict[str, float]:
+    return {
+        "elapsed_s": elapsed,
+        "output_tok_s": wl.output_tokens / elapsed,
+        "total_tok_s": (wl.input_tokens + wl.output_tokens) / elapsed,
+    }
+
+
+def steady_decode(llm: Any, running: int, prompt_len: int, steps: int, seed: int) -> float:
+    """Tokens/s of decode steps with `running` requests in the batch (prefill excluded)."""
+    from kvray import SamplingParams
+
+    engine = llm.engine
+    wl = make_workload(running, (prompt_len, prompt_len), (1, 1), llm.spec.vocab_size, seed)
+    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    rids = [engine.add_request(p, sp) for p in wl.prompts]
+    sched = engine.scheduler
+    while sched.waiting or any(r.prefilling for r in sched.running):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        events = engine.step()
+        times.append(time.perf_counter() - t)
+        assert len(events) == running, "a decode step must sample every running request"
+    for rid in rids:
+        engine.abort(rid)
+    return running / statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true", help="kvray only")
+    ap.add_argument("--decode-running", type=int, default=128)
+    ap.add_argument("--decode-prompt-len", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-prefill-tokens", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from kvray import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_running_reqs=max(args.num_requests, args.decode_running),
+        max_prefill_tokens=args.max_prefill_tokens,
+        seed=args.seed,
+    )
+    path = str(llm.spec.model_path)
+    wl = make_workload(
+        args.num_requests,
+        tuple(args.input_len),
+        tuple(args.output_len),
+        llm.spec.vocab_size,
+        args.seed,
+    )
+    print(
+        f"workload: {args.num_requests} requests, {wl.input_tokens} prompt tokens, "
+        f"{wl.output_tokens} output tokens, {args.dtype}, {torch.get_num_threads()} threads"
+    )
+    run_kvray(llm, make_workload(4, (16, 32), (4, 8), llm.spec.vocab_size, args.seed + 1))  # warm
+    kv = run_kvray(llm, wl)
+    print(f"kvray: {kv['output_tok_s']:.1f} output tok/s in {kv['elapsed_s']:.1f} s")
+
+    mc = llm.spec.model_config
+    worker_model = llm.engine.worker.model
+    flops_tok = model_flops_per_token(worker_model, mc.vocab_size, mc.hidden_size)
+    decode_tok_s = steady_decode(
+        llm, args.decode_running, args.decode_prompt_len, args.decode_steps, args.seed + 2
+    )
+    peak = matmul_peak(dtype)
+    mfu = decode_tok_s * flops_tok / peak
+    llm.engine.check_integrity()
+    del llm
+
+    hf = None if args.skip_hf else run_hf(path, wl, dtype, args.hf_batch)
+    rows = [["kvray", kv["output_tok_s"], kv["total_tok_s"], kv["elapsed_s"]]]
+    if hf is not None:
+        rows.append(
+            [
+                f"hf generate (batch {args.hf_batch})",
+                hf["output_tok_s"],
+                hf["total_tok_s"],
+                hf["elapsed_s"],
+            ]
+        )
+        rows.append(
+            [
+                "ratio kvray / hf",
+                kv["output_tok_s"] / hf["output_tok_s"],
+                kv["total_tok_s"] / hf["total_tok_s"],
+                hf["elapsed_s"] / kv["elapsed_s"],
+            ]
+        )
+    print_table("offline throughput", ["system", "output tok/s", "total tok/s", "seconds"], rows)
+    print_table(
+        f"steady decode, {args.decode_running} running",
+        ["decode tok/s", "GFLOP/token", "achieved TFLOP/s", "bf16 peak TFLOP/s", "decode_mfu"],
+        [[decode_tok_s, flops_tok / 1e9, decode_tok_s * flops_tok / 1e12, peak / 1e12, mfu]],
+    )
+    summary = {
+        "kvray_output_tok_s": kv["output_tok_s"],
+        "kvray_total_tok_s": kv["total_tok_s"],
+        "baseline_output_tok_s": hf["output_tok_s"] if hf else None,
+        "baseline_total_tok_s": hf["total_tok_s"] if hf else None,
+        "output_speedup": kv["output_tok_s"] / hf["output_tok_s"] if hf else None,
+        "decode_tok_s": decode_tok_s,
+        "decode_mfu": mfu,
+        "matmul_peak_tflops": peak / 1e12,
+    }
+    payload = {"summary": summary, "config": vars(args), "machine": machine_info()}
+    out = write_json(
+        args.json, summary, config=vars(args), machine=machine_info(), kvray=kv, baseline=hf
+    )
+    groups = {
+        "output tok/s": {"kvray": kv["output_tok_s"]},
+        "total tok/s": {"kvray": kv["total_tok_s"]},
+    }
+    if hf:
+        groups["output tok/s"]["hf"] = hf["output_tok_s"]
+        groups["total tok/s"]["hf"] = hf["total_tok_s"]
+    write_bars(out, "kvray bench offline", groups, "tokens / s")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
