@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvray.attention import cpu_decode
 from kvray.attention.base import AttentionBackend, AttnMetadata
 
 
@@ -53,15 +54,45 @@ def _make_group(meta: AttnMetadata, reqs: torch.Tensor) -> _Group:
     )
 
 
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Decodes served by the CPU kernel, which reads K/V in place through the page table."""
+
+    tokens: torch.Tensor  # int64 [Bd]: row of each request's one query in q
+    slots: torch.Tensor  # int64 [Bd, Lk], contiguous
+    seq_lens: torch.Tensor  # int64 [Bd]
+
+
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        kv = self.kvcache
+        self._use_kernel = (
+            kv.device.type == "cpu"
+            and kv.dtype in (torch.bfloat16, torch.float32)
+            and self.head_dim % 16 == 0
+            and cpu_decode.available()
+        )
+
     def prepare(self, meta: AttnMetadata) -> None:
         super().prepare(meta)
         is_decode = meta.seq_lens_q == 1
-        self._groups = [
-            _make_group(meta, reqs)
-            for reqs in (is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1))
-            if reqs.numel() > 0
-        ]
+        decodes = is_decode.nonzero().squeeze(1)
+        extends = (~is_decode).nonzero().squeeze(1)
+        self._decode: _DecodeGroup | None = None
+        self._groups = []
+        if decodes.numel() > 0:
+            if self._use_kernel:
+                lens = meta.seq_lens_k[decodes].long()
+                self._decode = _DecodeGroup(
+                    tokens=meta.cu_seqlens_q[decodes].long(),
+                    slots=meta.page_table[decodes, : int(lens.max())].contiguous(),
+                    seq_lens=lens,
+                )
+            else:
+                self._groups.append(_make_group(meta, decodes))
+        if extends.numel() > 0:
+            self._groups.append(_make_group(meta, extends))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
@@ -72,6 +103,11 @@ class TorchAttentionBackend(AttentionBackend):
         k_pool, v_pool = self.kvcache.k_flat(layer_id), self.kvcache.v_flat(layer_id)
         gqa = self.num_q_heads != self.kvcache.local_kv_heads
         out = q.new_empty(q.shape)
+        d = self._decode
+        if d is not None:
+            out[d.tokens] = cpu_decode.paged_decode(
+                q[d.tokens], k_pool, v_pool, d.slots, d.seq_lens, self.scale
+            )
         for g in self._groups:
             o = F.scaled_dot_product_attention(
                 q[g.q_index].transpose(1, 2),  # [B, Hq, Lq, D]
