@@ -31,6 +31,7 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -67,35 +68,84 @@ inline __m512 exp16(__m512 x) {  // e^x = 2^n * 2^f, |f| <= 1/2, degree-7 polyno
 }
 
 template <typename T>
+inline void prefetch(const T* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
+#ifdef __AVX512BF16__
+// scores of every query head against every key of one request, bf16 dot products.
+void score_bf16(const uint16_t* q, const uint16_t* k, const int64_t* slots, int64_t L,
+                int64_t Hq, int64_t Hkv, int64_t D, float scale, float* sc) {
+  const int64_t G = Hq / Hkv, np = D / 32, row = Hkv * D;
+  std::vector<__m512bh> qb(Hq * np);
+  for (int64_t hq = 0; hq < Hq; ++hq)
+    for (int64_t j = 0; j < np; ++j)
+      qb[hq * np + j] = (__m512bh)_mm512_loadu_si512(q + hq * D + 32 * j);
+  for (int64_t t = 0; t < L; ++t) {
+    const uint16_t* kp = k + slots[t] * row;
+    if (t + 1 < L) prefetch(k + slots[t + 1] * row);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      __m512bh kb[8];
+      for (int64_t j = 0; j < np; ++j) kb[j] = (__m512bh)_mm512_loadu_si512(kp + h * D + 32 * j);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hq = h * G + g;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < np; ++j) acc = _mm512_dpbf16_ps(acc, qb[hq * np + j], kb[j]);
+        sc[hq * L + t] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+  }
+}
+#endif
+
+template <typename T>
 void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t* lens, T* out,
             int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Lmax, float scale) {
-  const int64_t G = Hq / Hkv, nv = D / 16;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), sc;
-    std::vector<__m512> acc(G * nv), kv(nv);
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / Hkv, h = idx % Hkv, L = lens[b];
+  // One task per request: its K/V rows (all local KV heads of a slot, contiguous) are read
+  // once, in position order, while they are in cache.
+  const int64_t G = Hq / Hkv, nv = D / 16, row = Hkv * D;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), sc;
+    std::vector<__m512> acc(Hq * nv);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = lens[b];
       const int64_t* slots = pt + b * Lmax;
-      sc.resize(G * L);
-      for (int64_t g = 0; g < G; ++g)
+      sc.resize(Hq * L);
+      for (int64_t hq = 0; hq < Hq; ++hq)
         for (int64_t j = 0; j < nv; ++j)
-          _mm512_storeu_ps(&qf[g * D + 16 * j],
-                           _mm512_mul_ps(load16(q + ((b * Hq + h * G + g) * D) + 16 * j),
+          _mm512_storeu_ps(&qf[hq * D + 16 * j],
+                           _mm512_mul_ps(load16(q + (b * Hq + hq) * D + 16 * j),
                                          _mm512_set1_ps(scale)));
-      // scores = q . k for every key position
-      for (int64_t t = 0; t < L; ++t) {
-        const T* kp = k + (slots[t] * Hkv + h) * D;
-        for (int64_t j = 0; j < nv; ++j) kv[j] = load16(kp + 16 * j);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 s = _mm512_setzero_ps();
-          for (int64_t j = 0; j < nv; ++j)
-            s = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g * D + 16 * j]), kv[j], s);
-          sc[g * L + t] = _mm512_reduce_add_ps(s);
+      // scores[hq][t] = q[hq] . k[t][hq / G]
+      bool done = false;
+#ifdef __AVX512BF16__
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (D % 32 == 0) {  // bf16 pairs straight into float accumulators, no conversion
+          score_bf16(q + b * Hq * D, k, slots, L, Hq, Hkv, D, scale, sc.data());
+          done = true;
+        }
+      }
+#endif
+      if (!done) {
+        for (int64_t t = 0; t < L; ++t) {
+          const T* kp = k + slots[t] * row;
+          if (t + 1 < L) prefetch(k + slots[t + 1] * row);
+          for (int64_t h = 0; h < Hkv; ++h) {
+            __m512 kv[16];
+            for (int64_t j = 0; j < nv; ++j) kv[j] = load16(kp + h * D + 16 * j);
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qg = &qf[(h * G + g) * D];
+              __m512 acc0 = _mm512_setzero_ps();
+              for (int64_t j = 0; j < nv; ++j)
+                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), kv[j], acc0);
+              sc[(h * G + g) * L + t] = _mm512_reduce_add_ps(acc0);
+            }
+          }
         }
       }
       // softmax over each query head's row, in float32
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = sc.data() + g * L;
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        float* s = sc.data() + hq * L;
         __m512 m = _mm512_set1_ps(-INFINITY);
         int64_t t = 0;
         for (; t + 16 <= L; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
@@ -114,23 +164,30 @@ void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t
           _mm512_mask_storeu_ps(s + t, mask, e);
           sum = _mm512_add_ps(sum, e);
         }
-        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-        for (t = 0; t < L; ++t) s[t] *= inv;
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        for (t = 0; t + 16 <= L; t += 16)
+          _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+        for (; t < L; ++t) s[t] *= _mm512_cvtss_f32(inv);
       }
-      // out = sum_t p_t * v_t
+      // out[hq] = sum_t p[hq][t] * v[t][hq / G]
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t = 0; t < L; ++t) {
-        const T* vp = v + (slots[t] * Hkv + h) * D;
-        for (int64_t j = 0; j < nv; ++j) kv[j] = load16(vp + 16 * j);
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(sc[g * L + t]);
-          for (int64_t j = 0; j < nv; ++j)
-            acc[g * nv + j] = _mm512_fmadd_ps(p, kv[j], acc[g * nv + j]);
+        const T* vp = v + slots[t] * row;
+        if (t + 1 < L) prefetch(v + slots[t + 1] * row);
+        for (int64_t h = 0; h < Hkv; ++h) {
+          __m512 vv[16];
+          for (int64_t j = 0; j < nv; ++j) vv[j] = load16(vp + h * D + 16 * j);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t hq = h * G + g;
+            const __m512 p = _mm512_set1_ps(sc[hq * L + t]);
+            for (int64_t j = 0; j < nv; ++j)
+              acc[hq * nv + j] = _mm512_fmadd_ps(p, vv[j], acc[hq * nv + j]);
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g)
+      for (int64_t hq = 0; hq < Hq; ++hq)
         for (int64_t j = 0; j < nv; ++j)
-          store16(out + ((b * Hq + h * G + g) * D) + 16 * j, acc[g * nv + j]);
+          store16(out + (b * Hq + hq) * D + 16 * j, acc[hq * nv + j]);
     }
   });
 }
@@ -144,7 +201,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
   TORCH_CHECK(pt.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), Lmax = pt.size(1);
-  TORCH_CHECK(D % 16 == 0 && Hq % Hkv == 0, "head_dim % 16 and Hq % Hkv must be 0");
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && Hq % Hkv == 0, "need head_dim % 16 == 0, <= 256");
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kBFloat16) {
     decode<uint16_t>(reinterpret_cast<const uint16_t*>(q.data_ptr()),
@@ -187,7 +244,7 @@ def _load() -> Any:
             from torch.utils.cpp_extension import load_inline
 
             _module = load_inline(
-                name="kvray_paged_decode_v1",
+                name="kvray_paged_decode_v3",
                 cpp_sources=_SOURCE,
                 functions=["paged_decode"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
