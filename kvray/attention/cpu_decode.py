@@ -67,9 +67,12 @@ inline __m512 exp16(__m512 x) {  // e^x = 2^n * 2^f, |f| <= 1/2, degree-7 polyno
   return _mm512_scalef_ps(p, n);
 }
 
+constexpr int64_t kAhead = 6;  // rows prefetched ahead: enough to cover DRAM latency
+
 template <typename T>
-inline void prefetch(const T* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+inline void prefetch_row(const T* p, int64_t n) {  // every cache line of an n-element row
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * (int64_t)sizeof(T); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
 #ifdef __AVX512BF16__
@@ -83,7 +86,7 @@ void score_bf16(const uint16_t* q, const uint16_t* k, const int64_t* slots, int6
       qb[hq * np + j] = (__m512bh)_mm512_loadu_si512(q + hq * D + 32 * j);
   for (int64_t t = 0; t < L; ++t) {
     const uint16_t* kp = k + slots[t] * row;
-    if (t + 1 < L) prefetch(k + slots[t + 1] * row);
+    if (t + kAhead < L) prefetch_row(k + slots[t + kAhead] * row, row);
     for (int64_t h = 0; h < Hkv; ++h) {
       __m512bh kb[8];
       for (int64_t j = 0; j < np; ++j) kb[j] = (__m512bh)_mm512_loadu_si512(kp + h * D + 32 * j);
@@ -104,7 +107,8 @@ void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t
   // One task per request: its K/V rows (all local KV heads of a slot, contiguous) are read
   // once, in position order, while they are in cache.
   const int64_t G = Hq / Hkv, nv = D / 16, row = Hkv * D;
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  // Small batches stay on the calling thread: waking a pool costs more than they take.
+  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), sc;
     std::vector<__m512> acc(Hq * nv);
     for (int64_t b = begin; b < end; ++b) {
@@ -129,7 +133,7 @@ void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t
       if (!done) {
         for (int64_t t = 0; t < L; ++t) {
           const T* kp = k + slots[t] * row;
-          if (t + 1 < L) prefetch(k + slots[t + 1] * row);
+          if (t + kAhead < L) prefetch_row(k + slots[t + kAhead] * row, row);
           for (int64_t h = 0; h < Hkv; ++h) {
             __m512 kv[16];
             for (int64_t j = 0; j < nv; ++j) kv[j] = load16(kp + h * D + 16 * j);
@@ -173,7 +177,7 @@ void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t = 0; t < L; ++t) {
         const T* vp = v + slots[t] * row;
-        if (t + 1 < L) prefetch(v + slots[t + 1] * row);
+        if (t + kAhead < L) prefetch_row(v + slots[t + kAhead] * row, row);
         for (int64_t h = 0; h < Hkv; ++h) {
           __m512 vv[16];
           for (int64_t j = 0; j < nv; ++j) vv[j] = load16(vp + h * D + 16 * j);
@@ -244,7 +248,7 @@ def _load() -> Any:
             from torch.utils.cpp_extension import load_inline
 
             _module = load_inline(
-                name="kvray_paged_decode_v3",
+                name="kvray_paged_decode_v5",
                 cpp_sources=_SOURCE,
                 functions=["paged_decode"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],

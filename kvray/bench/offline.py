@@ -125,7 +125,12 @@ def steady_decode(llm: Any, running: int, prompt_len: int, steps: int, seed: int
 
     engine = llm.engine
     wl = make_workload(running, (prompt_len, prompt_len), (1, 1), llm.spec.vocab_size, seed)
-    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    # Early requests decode while later ones prefill: give every one enough budget to be
+    # still running when the timed steps start.
+    budget = engine.scheduler.config.max_prefill_tokens
+    sp = SamplingParams(
+        temperature=0, max_tokens=steps + 8 + -(-running * prompt_len // budget), ignore_eos=True
+    )
     rids = [engine.add_request(p, sp) for p in wl.prompts]
     sched = engine.scheduler
     while sched.waiting or any(r.prefilling for r in sched.running):

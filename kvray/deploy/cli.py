@@ -111,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-_BENCHES = ("scheduler", "dispatch")
+_BENCHES = ("offline", "prefix", "serve", "scheduler", "dispatch")
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,440 @@
+"""Online serving benchmark: a streaming client against a running OpenAI-compatible server.
+
+    kvray serve &                       # serving ... at http://127.0.0.1:8000/v1
+    python -m kvray.bench.serve --url http://127.0.0.1:8000/v1 [--rate 1 4 inf]
+                                [--num-requests 64] [--json PATH]
+
+For each `--rate` R (requests per second; `inf` sends them all at once) it sends
+`--num-requests` requests to `POST {url}/completions` with Poisson arrivals (exponential
+inter-arrival times, seeded), all through one shared httpx.AsyncClient. Every request is a
+token-id prompt of random ids (lengths drawn, seeded, from `--input-len MIN MAX`) asking for
+a length drawn from `--output-len MIN MAX` with `ignore_eos`, `temperature 0`,
+`stream: true` and `stream_options.include_usage` (the final usage chunk gives the exact
+number of output tokens: one SSE chunk may carry several tokens). Every rate sends the
+same prompts.
+
+Per request: TTFT (send -> first chunk with text), the inter-token latencies (gaps between
+successive chunks with text), TPOT ((E2E - TTFT) / (output tokens - 1)) and E2E. Per rate:
+their p50 / p90 / p99 in seconds, request throughput (finished requests / duration) and
+output token throughput (output tokens / duration), where the duration runs from the first
+send to the last answer, and the failures (an HTTP error, an error event, a broken stream
+or the hard per-request `--timeout`).
+
+Only `--url` is contacted (no proxy from the environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvray.bench.report import print_table, write_bars, write_json
+
+PERCENTILES = (50, 90, 99)
+
+
+class ServerUnavailable(RuntimeError):
+    """The server cannot be reached, or it lists no model."""
+
+
+@dataclass
+class RequestResult:
+    index: int
+    prompt_len: int
+    max_tokens: int
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    chunks: int = 0  # SSE chunks that carried text
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _parse_rate(text: str) -> float:
+    rate = float(text)
+    if math.isnan(rate) or rate <= 0:
+        raise argparse.ArgumentTypeError(f"a rate must be > 0 requests/s or inf, got {text!r}")
+    return rate
+
+
+def make_workload(
+    n: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    token_range: tuple[int, int],
+    seed: int,
+) -> list[tuple[list[int], int]]:
+    """`n` (prompt ids, max_tokens) pairs, lengths uniform in the inclusive ranges."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        plen = int(rng.integers(input_len[0], input_len[1] + 1))
+        olen = int(rng.integers(output_len[0], output_len[1] + 1))
+        out.append((rng.integers(token_range[0], token_range[1], plen).tolist(), olen))
+    return out
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s after the start) of `n` requests: Poisson arrivals at `rate` per second
+    (the first at 0); all at 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _error_message(body: bytes | str) -> str:
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    try:
+        err = json.loads(text).get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+    except (ValueError, AttributeError):
+        pass
+    return text[:300]
+
+
+async def send_one(
+    client: Any,
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    index: int,
+    prompt: list[int],
+    max_tokens: int,
+    timeout_s: float,
+) -> RequestResult:
+    """One streamed completion, timed; never raises (a failure is recorded)."""
+    res = RequestResult(index, len(prompt), max_tokens)
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    last: float | None = None
+    usage_tokens: int | None = None
+    done = False
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream(
+                "POST", f"{url}/completions", json=body, headers=headers
+            ) as resp:
+                if resp.status_code != 200:
+                    res.error = f"HTTP {resp.status_code}: {_error_message(await resp.aread())}"
+                    return res
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        err = obj["error"]
+                        msg = err.get("message") if isinstance(err, dict) else err
+                        res.error = f"error event: {msg}"
+                        return res
+                    if obj.get("usage"):
+                        usage_tokens = int(obj["usage"].get("completion_tokens", 0))
+                    text = "".join(c.get("text") or "" for c in obj.get("choices") or ())
+                    if not text:
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft_s = now - t0
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+                    res.chunks += 1
+    except TimeoutError:
+        res.error = f"timed out after {timeout_s:g} s"
+        return res
+    except Exception as e:  # noqa: BLE001 - a broken connection or stream is a failure
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.e2e_s = time.perf_counter() - t0
+    if not done:
+        res.error = "the stream ended without [DONE]"
+        return res
+    if res.ttft_s is None:
+        res.error = "no text in the stream"
+        return res
+    res.output_tokens = usage_tokens if usage_tokens is not None else res.chunks
+    res.ok = True
+    return res
+
+
+async def run_rate(
+    client: Any,
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    workload: list[tuple[list[int], int]],
+    rate: float,
+    seed: int,
+    timeout_s: float,
+    progress: bool,
+) -> tuple[list[RequestResult], float]:
+    """Send the workload at `rate`; returns the results and the duration (first send to
+    last answer)."""
+    from tqdm import tqdm
+
+    offsets = arrival_offsets(len(workload), rate, seed)
+    bar = tqdm(
+        total=len(workload), desc=f"rate {rate_label(rate)}", unit="req", disable=not progress
+    )
+    start = time.perf_counter()
+
+    async def fire(i: int) -> RequestResult:
+        delay = start + offsets[i] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        prompt, max_tokens = workload[i]
+        r = await send_one(client, url, headers, model, i, prompt, max_tokens, timeout_s)
+        bar.update(1)
+        return r
+
+    try:
+        results = await asyncio.gather(*(fire(i) for i in range(len(workload))))
+    finally:
+        bar.close()
+    return list(results), time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], duration: float, rate: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    itl = [x for r in ok for x in r.itl_s]
+    tpot = [t for r in ok if (t := r.tpot_s) is not None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    s: dict[str, Any] = {
+        "rate": rate_label(rate),
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failures": len(results) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_token_throughput": out_tokens / duration if duration > 0 else 0.0,
+        "prompt_tokens": sum(r.prompt_len for r in ok),
+        "output_tokens": out_tokens,
+    }
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    s["errors"] = dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5])  # the commonest
+    for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", e2e)):
+        s[f"{name}_mean_s"] = float(np.mean(values)) if values else None
+        for q in PERCENTILES:
+            s[f"{name}_p{q}_s"] = _pct(values, q)
+    return s
+
+
+async def _fetch_model(client: Any, url: str, headers: dict[str, str]) -> str:
+    import httpx
+
+    try:
+        resp = await client.get(f"{url}/models", headers=headers)
+    except httpx.HTTPError as e:
+        raise ServerUnavailable(f"cannot reach {url}/models: {type(e).__name__}: {e}") from None
+    if resp.status_code != 200:
+        raise ServerUnavailable(
+            f"GET {url}/models: HTTP {resp.status_code}: {_error_message(resp.content)}"
+        )
+    data = resp.json().get("data") or []
+    if not data:
+        raise ServerUnavailable(f"GET {url}/models lists no model (pass --model)")
+    return str(data[0]["id"])
+
+
+async def run_async(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    url = args.url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    workload = make_workload(
+        args.num_requests,
+        tuple(args.input_len),
+        tuple(args.output_len),
+        tuple(args.token_range),
+        args.seed,
+    )
+    timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))
+    limits = httpx.Limits(max_connections=max(args.num_requests, 1), max_keepalive_connections=64)
+    summary: dict[str, Any] = {}
+    per_request: dict[str, Any] = {}
+    # trust_env=False: no proxy from the environment, only `url` is contacted.
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        model = args.model or await _fetch_model(client, url, headers)
+        for k, rate in enumerate(args.rate):
+            results, duration = await run_rate(
+                client,
+                url,
+                headers,
+                model,
+                workload,
+                rate,
+                args.seed + 1 + k,
+                args.timeout,
+                not args.no_progress,
+            )
+            label = rate_label(rate)
+            summary[label] = summarize(results, duration, rate)
+            per_request[label] = [{**asdict(r), "tpot_s": r.tpot_s} for r in results]
+    return {
+        "summary": summary,
+        "config": {
+            "url": url,
+            "model": model,
+            "rates": [rate_label(r) for r in args.rate],
+            "num_requests": args.num_requests,
+            "input_len": list(args.input_len),
+            "output_len": list(args.output_len),
+            "token_range": list(args.token_range),
+            "seed": args.seed,
+            "timeout_s": args.timeout,
+        },
+        "requests": per_request,
+    }
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    c = report["config"]
+    header = ["rate", "ok", "fail", "req/s", "out tok/s"]
+    for name in ("TTFT", "ITL", "E2E"):
+        header += [f"{name} p{q}" for q in PERCENTILES]
+    rows = []
+    for label, s in report["summary"].items():
+        row: list[Any] = [
+            label,
+            s["completed"],
+            s["failures"],
+            s["request_throughput"],
+            s["output_token_throughput"],
+        ]
+        for name in ("ttft", "itl", "e2e"):
+            row += [_ms(s[f"{name}_p{q}_s"]) for q in PERCENTILES]
+        rows.append(row)
+    print_table(
+        f"serving {c['model']} at {c['url']}: {c['num_requests']} requests per rate, "
+        f"input {c['input_len'][0]}-{c['input_len'][1]}, output {c['output_len'][0]}-"
+        f"{c['output_len'][1]} tokens; latencies in ms",
+        header,
+        rows,
+    )
+    for label, s in report["summary"].items():
+        for msg, n in s["errors"].items():
+            print(f"rate {label}: {n} failed: {msg}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument(
+        "--url", required=True, help="the API base URL, as `kvray serve` prints it (.../v1)"
+    )
+    ap.add_argument(
+        "--rate",
+        type=_parse_rate,
+        nargs="+",
+        default=[math.inf],
+        help="request rates to run, requests/s (inf: all at once); default inf",
+    )
+    ap.add_argument("--num-requests", type=int, default=64, help="requests per rate")
+    ap.add_argument("--input-len", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
+    ap.add_argument(
+        "--token-range",
+        type=int,
+        nargs=2,
+        default=[100, 10000],
+        metavar=("LO", "HI"),
+        help="prompt token ids are drawn from [LO, HI) (keep below the vocabulary size)",
+    )
+    ap.add_argument("--model", default=None, help="model name (default: the first of /models)")
+    ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="hard limit per request, seconds")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("--json", help="write the report here (and a PNG next to it)")
+    args = ap.parse_args(argv)
+    if not args.url.startswith(("http://", "https://")):
+        ap.error("--url must be an http(s) URL, e.g. http://127.0.0.1:8000/v1")
+    if args.num_requests < 1:
+        ap.error("--num-requests must be >= 1")
+    for name in ("input_len", "output_len"):
+        lo, hi = getattr(args, name)
+        if not 1 <= lo <= hi:
+            ap.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX")
+    if not 0 <= args.token_range[0] < args.token_range[1]:
+        ap.error("--token-range needs 0 <= LO < HI")
+    if len({rate_label(r) for r in args.rate}) != len(args.rate):
+        ap.error("--rate values must be distinct")
+    if not args.timeout > 0:
+        ap.error("--timeout must be > 0")
+
+    try:
+        report = asyncio.run(run_async(args))
+    except ServerUnavailable as e:
+        ap.exit(1, f"error: {e}\n")
+    print_report(report)
+    sys.stdout.flush()
+    path = write_json(
+        args.json, report["summary"], **{k: v for k, v in report.items() if k != "summary"}
+    )
+
+    def metric(key: str) -> dict[str, float]:
+        return {label: s[key] or 0.0 for label, s in report["summary"].items()}
+
+    png = write_bars(
+        path,
+        f"serving benchmark ({report['config']['model']}), by request rate",
+        {
+            "TTFT p50 (s)": metric("ttft_p50_s"),
+            "ITL p50 (s)": metric("itl_p50_s"),
+            "E2E p50 (s)": metric("e2e_p50_s"),
+            "output tok/s": metric("output_token_throughput"),
+        },
+        ylabel="value",
+    )
+    if path is not None:
+        print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return report
+
+
+if __name__ == "__main__":
+    main()
