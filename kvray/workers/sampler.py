@@ -121,7 +121,8 @@ def sample_device(
             f"{len(positions)} positions"
         )
     logits = logits.float()
-    logprobs_all = torch.log_softmax(logits, dim=-1)
+    # log p(token) = logit - logsumexp(logits): one reduction, no [S, V] log-softmax copy.
+    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
     token_ids = logits.argmax(dim=-1)  # greedy; argmax returns the first (lowest) max id
 
     random_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
@@ -137,12 +138,12 @@ def sample_device(
                 [positions[i] for i in random_rows],
             )
 
-    chosen = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
+    chosen = (logits.gather(1, token_ids[:, None]) - log_z).squeeze(1)
     k = min(max_top_logprobs, vocab)
     if k <= 0:
         return DeviceSample(token_ids, chosen)
-    top = torch.topk(logprobs_all, k, dim=-1, largest=True, sorted=True)
-    return DeviceSample(token_ids, chosen, top.indices, top.values)
+    top = torch.topk(logits, k, dim=-1, largest=True, sorted=True)
+    return DeviceSample(token_ids, chosen, top.indices, top.values - log_z)
 
 
 def _sample_random(
