@@ -33,49 +33,14 @@ from typing import Any
 
 import numpy as np
 
+from kvray.bench.tiny import write_tiny_checkpoint
 from kvray.core import SamplingParams, StepPlan
-
-# -- tiny random checkpoints (also used by tests/test_cluster.py) ---------------------------
-
-TINY_LLAMA = dict(
-    vocab_size=301,  # not a multiple of the TP size: exercises vocab padding
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,  # large weights: decisive logits, stable greedy paths
-    tie_word_embeddings=True,
-    eos_token_id=None,  # never stop early in Hugging Face generate
-    bos_token_id=None,
-    pad_token_id=0,
-)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def write_tiny_llama(path: str | Path, seed: int = 0, tokenizer: bool = False, **overrides: Any):
-    """Save a tiny random Llama checkpoint (float32) to `path` and return the Hugging Face
-    model (eval mode), for reference outputs. `overrides` change `TINY_LLAMA` entries
-    (num_attention_heads, num_key_value_heads, ...). With `tokenizer`, the embedded
-    SmolLM2 tokenizer files are copied next to it (`kvray.LLM` loads a tokenizer)."""
-    import shutil
-
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**TINY_LLAMA, **overrides})).eval()
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    if tokenizer:
-        from kvray.models.embedded import ensure_embedded_model
-
-        src = ensure_embedded_model(progress=False)
-        for name in TOKENIZER_FILES:
-            shutil.copyfile(src / name, path / name)
-    return model
+    """A tiny random 2-layer Llama with tied embeddings (see `kvray.bench.tiny`)."""
+    layout = {"num_hidden_layers": 2, "tie_word_embeddings": True, **overrides}
+    return write_tiny_checkpoint(path, "llama", seed, tokenizer, **layout)
 
 
 # -- the benchmark --------------------------------------------------------------------------
