@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvray.cluster.llm import chat_prompt_ids
 from kvray.core import FinishReason, RequestRejected, SamplingParams, TokenEvent
 from kvray.deploy.metrics import RequestMetrics
 from kvray.deploy.protocol import ChatCompletionRequest, CompletionRequest
@@ -357,17 +358,14 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self._check_model(req.model)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         try:
-            text = self.tokenizer.apply_chat_template(
-                req.conversation(), tokenize=False, add_generation_prompt=True
-            )
+            ids = chat_prompt_ids(self.tokenizer, req.conversation())
+        except RequestRejected as e:
+            raise APIError(400, f"{e}; use /v1/completions", e.param) from None
         except Exception as e:  # noqa: BLE001 - a template may reject a conversation shape
             raise APIError(
                 400, f"the chat template rejected the messages: {e}", "messages"
             ) from None
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         jobs = [(j, ids, self._sampling(req, max_tokens, j, k)) for j in range(req.n)]
