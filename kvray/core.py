@@ -233,6 +233,12 @@ class TokenEvent:
         return self.finish_reason is not None
 
 
+def ended_on_stop_token(event: TokenEvent, sampling: SamplingParams) -> bool:
+    """The request ended on one of its own stop_token_ids: like vLLM, that token's text is
+    not output (EOS needs no such rule: its text is a special token, skipped anyway)."""
+    return event.finish_reason is FinishReason.STOP and event.token_id in sampling.stop_token_ids
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Rank 0's answer to a plan: one entry per request with sample=True, in batch order."""

@@ -10,7 +10,13 @@ from kvray.cluster.engine_core import EngineFailed
 from kvray.cluster.local import LocalEngine
 from kvray.cluster.spec import EngineSpec
 from kvray.config import EngineConfig
-from kvray.core import FinishReason, RequestRejected, SamplingParams, TokenEvent
+from kvray.core import (
+    FinishReason,
+    RequestRejected,
+    SamplingParams,
+    TokenEvent,
+    ended_on_stop_token,
+)
 from kvray.detokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
@@ -29,10 +35,6 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-
-def _is_stop_token(ev: TokenEvent, sp: SamplingParams) -> bool:
-    return ev.finish_reason is FinishReason.STOP and ev.token_id in sp.stop_token_ids
 
 
 def load_tokenizer(path: Any) -> Any:
@@ -185,7 +187,7 @@ class LLM:
             out.token_ids.append(ev.token_id)
             if ev.logprob is not None:
                 out.logprobs.append(ev.logprob)
-            if not _is_stop_token(ev, sp):  # like vLLM, a stop token's text is not output
+            if not ended_on_stop_token(ev, sp):
                 detok.push(ev.token_id)
             if detok.stopped and final is None:  # a stop string: end the request here
                 final = self.engine.abort(ev.rid, FinishReason.STOP)

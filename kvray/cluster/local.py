@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from kvray.cluster.engine_core import EngineCore, validate_prompt
+from kvray.cluster.engine_core import EngineCore
 from kvray.cluster.executor import LocalExecutor
 from kvray.cluster.spec import EngineSpec
 from kvray.config import EngineConfig
 from kvray.workers.worker import ModelWorker
-
-__all__ = ["LocalEngine", "validate_prompt"]
 
 
 class LocalEngine(EngineCore):

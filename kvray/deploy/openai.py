@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvray.cluster.llm import chat_prompt_ids
-from kvray.core import FinishReason, RequestRejected, SamplingParams, TokenEvent
+from kvray.core import RequestRejected, SamplingParams, TokenEvent, ended_on_stop_token
 from kvray.deploy.metrics import RequestMetrics
 from kvray.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from kvray.detokenizer import IncrementalDetokenizer
@@ -75,12 +75,6 @@ class _Delta:
     token_ids: list[int]
     logprobs: list[tuple[int, float, tuple[tuple[int, float], ...] | None]]
     finish_reason: str | None
-
-
-def _is_stop_token(ev: TokenEvent, sp: SamplingParams) -> bool:
-    """The request ended on one of its stop_token_ids (EOS is handled by skipping special
-    tokens in the text)."""
-    return ev.finish_reason is FinishReason.STOP and ev.token_id in sp.stop_token_ids
 
 
 def _now() -> int:
@@ -211,7 +205,7 @@ class OpenAIServing:
                             (m.ttft if generated == 0 else m.itl).observe(now - last)
                         last = now
                         generated += 1
-                        if not _is_stop_token(ev, sp):  # like vLLM, its text is not output
+                        if not ended_on_stop_token(ev, sp):
                             text = detok.push(ev.token_id)
                         if ev.logprob is not None:
                             lps.append((ev.token_id, ev.logprob, ev.top_logprobs))

@@ -148,10 +148,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._inflight)
 
-    @property
-    def num_inflight_steps(self) -> int:
-        return len(self._inflight)
-
     # -- one step -----------------------------------------------------------------------------
 
     def step(self) -> StepPlan | None:
