@@ -533,3 +533,25 @@ def test_request_of_exactly_max_seq_len(tiny) -> None:
     assert exc.value.param == "max_tokens" and "max_tokens" in str(exc.value)
     (again,) = llm.generate(prompt, greedy(10))
     assert again.token_ids == out.token_ids
+
+
+def test_logprobs_only_for_requests_that_ask(smol, smol_ids) -> None:
+    """A batch computes logprobs once any request asks; each request still gets exactly
+    what it asked for, so its output never depends on its batch mates."""
+    prompt = smol_ids[0]
+    greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain, chosen, tops = smol.generate(
+        [prompt] * 3,
+        [
+            SamplingParams(**greedy),
+            SamplingParams(**greedy, logprobs=0),
+            SamplingParams(**greedy, logprobs=3),
+        ],
+    )
+    assert plain.token_ids == chosen.token_ids == tops.token_ids
+    assert plain.logprobs == []
+    assert len(chosen.logprobs) == len(tops.logprobs) == 6
+    assert chosen.logprobs == pytest.approx(tops.logprobs, abs=1e-5)
+    assert all(lp <= 0.0 for lp in chosen.logprobs)
+    (alone,) = smol.generate([prompt], [SamplingParams(**greedy)])
+    assert alone.logprobs == [] and alone.token_ids == plain.token_ids

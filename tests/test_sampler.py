@@ -238,3 +238,15 @@ def test_top_logprobs_capped_at_vocab() -> None:
 def test_mismatched_lengths_rejected() -> None:
     with pytest.raises(ValueError):
         sample(_logits(3), [RANDOM] * 2, [0, 1, 2], [0, 0, 0])
+
+
+def test_logprobs_skipped_unless_asked() -> None:
+    logits = _logits(4)
+    out = sample(logits, [GREEDY] * 4, list(range(4)), [0] * 4, with_logprobs=False)
+    assert out.logprobs is None and out.top_ids is None
+    full = sample(logits, [GREEDY] * 4, list(range(4)), [0] * 4)
+    np.testing.assert_array_equal(out.token_ids, full.token_ids)
+    assert full.logprobs is not None and full.logprobs.shape == (4,)
+    # top logprobs bring the chosen ones with them
+    top = sample(logits, [GREEDY] * 4, list(range(4)), [0] * 4, 2, with_logprobs=False)
+    assert top.logprobs is not None and top.top_ids is not None

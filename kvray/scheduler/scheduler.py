@@ -314,13 +314,16 @@ class Scheduler:
             ids.append(tok)
             if req.table_idx >= 0:
                 token_pool[req.table_idx, len(ids) - 1] = tok
-            lp = logprobs[i]
-            if lp is not None:
-                req.output_logprobs.append(lp)
-            top = None
-            if tops is not None:
-                top = tops[i]
-                req.output_top_logprobs.append(top)
+            # A batch computes logprobs for every row once any row asks: keep only what
+            # this request asked for, so its output never depends on its batch mates.
+            lp = top = None
+            if req.sampling.logprobs is not None:
+                lp = logprobs[i]
+                if lp is not None:
+                    req.output_logprobs.append(lp)
+                if tops is not None and req.sampling.logprobs > 0:
+                    top = tops[i][: req.sampling.logprobs]
+                    req.output_top_logprobs.append(top)
             reason = None
             if tok in req.stop_ids:
                 reason = FinishReason.STOP

@@ -33,7 +33,8 @@ class SampleOutput:
     """One sampled token per row of the logits, in row order."""
 
     token_ids: np.ndarray  # int32 [S]
-    logprobs: np.ndarray  # float32 [S], log-softmax of the raw logits at token_ids
+    # float32 [S], log-softmax of the raw logits at token_ids; None when not asked for
+    logprobs: np.ndarray | None = None
     top_ids: np.ndarray | None = None  # int32 [S, k], most likely first
     top_logprobs: np.ndarray | None = None  # float32 [S, k], descending
 
@@ -43,7 +44,7 @@ class DeviceSample:
     """`SampleOutput` as tensors on the logits' device (no host sync)."""
 
     token_ids: torch.Tensor  # int64 [S]
-    logprobs: torch.Tensor  # float32 [S]
+    logprobs: torch.Tensor | None = None  # float32 [S]; None when no row asked for them
     top_ids: torch.Tensor | None = None  # int64 [S, k]
     top_logprobs: torch.Tensor | None = None  # float32 [S, k]
 
@@ -56,7 +57,7 @@ class DeviceSample:
             top_logprobs = _host(self.top_logprobs, np.float32)
         return SampleOutput(
             token_ids=_host(self.token_ids, np.int32),
-            logprobs=_host(self.logprobs, np.float32),
+            logprobs=None if self.logprobs is None else _host(self.logprobs, np.float32),
             top_ids=top_ids,
             top_logprobs=top_logprobs,
         )
@@ -94,14 +95,19 @@ def sample(
     seeds: Sequence[int],
     positions: Sequence[int],
     max_top_logprobs: int = 0,
+    with_logprobs: bool = True,
 ) -> SampleOutput:
     """Sample one token per row of `logits` [S, V] (float32; other dtypes are upcast).
 
     `seeds[i]` is request i's seed (its `SamplingParams.seed`, or one the engine assigned)
     and `positions[i]` the position of the token being sampled: together they fix the draw.
     `max_top_logprobs` > 0 also returns that many most likely tokens per row. Returns host
-    (numpy) arrays; `sample_device` leaves them on the logits' device."""
-    return sample_device(logits, params, seeds, positions, max_top_logprobs).numpy()
+    (numpy) arrays; `sample_device` leaves them on the logits' device. Without
+    `with_logprobs` (and no top logprobs) the chosen tokens' logprobs are not computed: that
+    saves a full-vocabulary reduction per row, and `logprobs` is None."""
+    return sample_device(
+        logits, params, seeds, positions, max_top_logprobs, with_logprobs
+    ).numpy()
 
 
 def sample_device(
@@ -110,6 +116,7 @@ def sample_device(
     seeds: Sequence[int],
     positions: Sequence[int],
     max_top_logprobs: int = 0,
+    with_logprobs: bool = True,
 ) -> DeviceSample:
     """Like `sample`, leaving the results on the logits' device."""
     if logits.dim() != 2:
@@ -121,8 +128,6 @@ def sample_device(
             f"{len(positions)} positions"
         )
     logits = logits.float()
-    # log p(token) = logit - logsumexp(logits): one reduction, no [S, V] log-softmax copy.
-    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
     token_ids = logits.argmax(dim=-1)  # greedy; argmax returns the first (lowest) max id
 
     random_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
@@ -138,8 +143,12 @@ def sample_device(
                 [positions[i] for i in random_rows],
             )
 
-    chosen = (logits.gather(1, token_ids[:, None]) - log_z).squeeze(1)
     k = min(max_top_logprobs, vocab)
+    if not with_logprobs and k <= 0:
+        return DeviceSample(token_ids)
+    # log p(token) = logit - logsumexp(logits): one reduction, no [S, V] log-softmax copy.
+    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = (logits.gather(1, token_ids[:, None]) - log_z).squeeze(1)
     if k <= 0:
         return DeviceSample(token_ids, chosen)
     top = torch.topk(logits, k, dim=-1, largest=True, sorted=True)

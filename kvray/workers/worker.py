@@ -129,7 +129,12 @@ class ModelWorker:
         params = [self._sampling[int(r)] for r in sampled_rows]
         top_k = max((p.logprobs or 0) for p, _ in params)
         out = sample_device(
-            logits, [p for p, _ in params], [s for _, s in params], next_pos.tolist(), top_k
+            logits,
+            [p for p, _ in params],
+            [s for _, s in params],
+            next_pos.tolist(),
+            top_k,
+            with_logprobs=any(p.logprobs is not None for p, _ in params),
         )
         self.token_pool[self._tensor(sampled_rows), self._tensor(next_pos)] = out.token_ids
         host = out.numpy()
