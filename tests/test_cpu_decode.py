@@ -16,7 +16,17 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(
     "batch,max_len,kv_heads,group,head_dim,page_size",
-    [(7, 45, 3, 3, 64, 16), (5, 37, 2, 2, 32, 1), (3, 130, 1, 4, 128, 4), (1, 1, 2, 1, 16, 16)],
+    [
+        (7, 45, 3, 3, 64, 16),
+        (5, 37, 2, 2, 32, 1),
+        (3, 130, 1, 4, 128, 4),
+        (1, 1, 2, 1, 16, 16),
+        # the bf16 fast path accumulates a few query heads at a time: groups that split
+        (4, 33, 1, 8, 64, 16),
+        (2, 17, 2, 5, 128, 1),
+        (2, 19, 1, 3, 256, 4),
+        (3, 2, 3, 1, 32, 1),
+    ],
 )
 def test_paged_decode_matches_dense_attention(
     dtype, tol, batch, max_len, kv_heads, group, head_dim, page_size
@@ -48,15 +58,19 @@ def test_paged_decode_matches_dense_attention(
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
-def test_padding_slots_past_the_length_are_never_read():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_slots_past_the_length_are_never_read(dtype):
     # Entries past seq_len point at slots holding NaN: a read would poison the output.
-    k_pool = torch.randn(64, 2, 32)
-    v_pool = torch.randn(64, 2, 32)
+    # Odd lengths too: the bf16 path pairs positions and must not pair in a padding slot.
+    k_pool = torch.randn(64, 2, 32, dtype=dtype)
+    v_pool = torch.randn(64, 2, 32, dtype=dtype)
     k_pool[32:] = float("nan")
     v_pool[32:] = float("nan")
     slots = torch.arange(64).view(2, 32).flip(0).contiguous()  # request 0 -> slots 32..63
     slots[0, :10] = torch.arange(10)
-    lens = torch.tensor([10, 32])
+    lens = torch.tensor([9, 31])
     slots[1] = torch.arange(32)
-    out = cpu_decode.paged_decode(torch.randn(2, 4, 32), k_pool, v_pool, slots, lens, 0.2)
+    slots[1, 31] = 63  # the position right past request 1's odd length: a NaN slot
+    q = torch.randn(2, 4, 32, dtype=dtype)
+    out = cpu_decode.paged_decode(q, k_pool, v_pool, slots, lens, 0.2)
     assert torch.isfinite(out).all()
