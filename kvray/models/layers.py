@@ -20,6 +20,7 @@ from torch import nn
 
 from kvray.core import div_ceil
 from kvray.kvcache.base import div_even
+from kvray.models import fused, packed
 from kvray.models.config import RopeScaling
 from kvray.models.tp import TPGroup
 
@@ -41,7 +42,35 @@ def _len(s: slice) -> int:
     return s.stop - s.start
 
 
-class ColumnParallelLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """A module whose `weight` [out, in] may be packed once loaded (`pack_weights`): the
+    oneDNN copy then serves every product and the dense weight's memory is released (it
+    stays as a shape-only meta tensor, so parameter counts still hold)."""
+
+    weight: nn.Parameter
+    _packed: torch.Tensor | None = None
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._packed is not None:
+            return packed.packed_linear(x, self._packed, bias)
+        return F.linear(x, self.weight, bias)
+
+    def pack_weights(self, keep_dense: bool = False) -> bool:
+        """Pack the weight for this CPU if that helps (bf16 on oneDNN); returns whether it
+        did. `keep_dense` keeps the dense weight too (a tied embedding still needs it)."""
+        if self._packed is not None or not packed.can_pack(self.weight):
+            return self._packed is not None
+        self._packed = packed.pack(self.weight)
+        if not keep_dense:
+            self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
+        return True
+
+    def _check_loadable(self) -> None:
+        if self._packed is not None:
+            raise RuntimeError("weights are packed: load them before pack_weights()")
+
+
+class ColumnParallelLinear(PackableLinear):
     """y = x W^T (+ b) for this rank's output rows. Several checkpoint tensors can be merged
     into one matmul (QKV, gate/up): `row_slices[i]` are the rows this rank takes from the
     i-th checkpoint tensor ("part"), stacked in part order."""
@@ -56,14 +85,15 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(sum(self.out_sizes)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
     def load_weight(self, param: str, src: Any, part: int = 0) -> None:
+        self._check_loadable()
         rows, off = self.row_slices[part], self.offsets[part]
         getattr(self, param).data[off : off + _len(rows)].copy_(src[rows.start : rows.stop])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """y = all_reduce(x_local W_local^T) (+ b): this rank owns input columns `col_slice`.
     The bias is replicated and added once, after the reduction."""
 
@@ -75,17 +105,18 @@ class RowParallelLinear(nn.Module):
         self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self._linear(x))
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, param: str, src: Any, part: int = 0) -> None:
+        self._check_loadable()
         if param == "weight":
             self.weight.data.copy_(src[:, self.col_slice.start : self.col_slice.stop])
         else:
             getattr(self, param).data.copy_(src[:])
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(PackableLinear):
     """Token embedding sharded over vocab rows; also the vocab-parallel LM head (`logits`).
 
     The vocab is padded up to `tp.size * rows_per_rank`; padding rows are zero and their
@@ -113,17 +144,21 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab_size] logits, gathered from every rank."""
-        local = F.linear(hidden, self.weight)
+        local = self._linear(hidden)
         return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]
 
     def load_weight(self, param: str, src: Any, part: int = 0) -> None:
+        self._check_loadable()
         n = self.num_real_rows
         self.weight.data[:n].copy_(src[self.vocab_start : self.vocab_start + n])
         self.weight.data[n:].zero_()
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dim, computed in float32 (as transformers does)."""
+    """x / rms(x) * weight over the last dim, computed in float32 (as transformers does).
+
+    Both methods give transformers' result bit for bit; on CPUs they run fused kernels
+    (`kvray.models.fused`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -131,9 +166,14 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual), the sum rounded to x's dtype as `x + residual`
+        rounds it; both new tensors."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
     def load_weight(self, param: str, src: Any, part: int = 0) -> None:
         self.weight.data.copy_(src[:])
@@ -180,7 +220,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by per-token angles (cos/sin [T, D])."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """Rotate x [T, H, D] by per-token angles (cos/sin [T, D]), rotate-half layout.
+
+    On CPUs this rotates x IN PLACE and returns it (elsewhere it returns a new tensor): x
+    must be the caller's own (e.g. a view of a fresh projection), and the caller must use
+    the returned tensor."""
+    return fused.rotary(x, cos, sin)

@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvray.kvcache.base import div_even
+from kvray.models import fused
 from kvray.models.config import ModelConfig
 from kvray.models.layers import (
     ColumnParallelLinear,
+    PackableLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -66,8 +67,10 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, self.num_q_heads, d)
         k = k.reshape(t, self.num_kv_heads, d)
         v = v.reshape(t, self.num_kv_heads, d)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before rope
             q, k = self.q_norm(q), self.k_norm(k)
+        # q and k are views of this step's fresh projection (or norm output), so they may be
+        # rotated in place.
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(attn.forward(q, k, v, self.layer_id))
 
@@ -82,8 +85,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cols, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # gate_up_proj returns [gate | up] (this rank's columns of each)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -95,10 +98,26 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream travels as a pair: it is `h + residual`, or `h` alone when
+        residual is None (the embeddings, before the first layer). Returns the pair after
+        this layer: (MLP output, stream before the MLP). Leaving each residual add to the
+        next RMSNorm lets the two run as one fused op; the sums are bit for bit those of
+        `x = x + attn(norm(x)); x = x + mlp(norm(x))`."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(
+            self.self_attn(x, cos, sin, attn), residual
+        )
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -145,6 +164,18 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.rope_theta, config.rope_scaling, self.device
         )
 
+    def pack_weights(self) -> int:
+        """Pack every linear weight for this CPU once loaded (see `kvray.models.packed`;
+        a no-op off bf16 CPUs). A tied LM head keeps its dense copy for the embedding.
+        Returns how many weights were packed."""
+        count = 0
+        for name, mod in self.named_modules():
+            if isinstance(mod, PackableLinear):
+                if name == "model.embed_tokens" and not self.config.tie_word_embeddings:
+                    continue  # only looked up, never multiplied
+                count += mod.pack_weights(keep_dense=name == "model.embed_tokens")
+        return count
+
     @torch.inference_mode()
     def forward(
         self,
@@ -156,8 +187,13 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] (flat batch). Returns float32 logits [S, vocab_size]
         for the rows `logits_indices` only. `attn` must be prepared for this batch."""
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        h = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None  # see LlamaDecoderLayer
         for layer in self.model.layers:
-            h = layer(h, cos, sin, attn)
-        h = self.model.norm(h[logits_indices])
+            h, residual = layer(h, residual, cos, sin, attn)
+        # The final norm, for the rows whose logits are wanted only.
+        h = h[logits_indices]
+        if residual is None:
+            h = self.model.norm(h)
+        else:
+            h, _ = self.model.norm.add_and_norm(h, residual[logits_indices])
         return self.lm_head.logits(h).float()
