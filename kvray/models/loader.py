@@ -96,4 +96,5 @@ def load_model(
     if missing:
         shown = ", ".join(f"{m}.{p}[{i}]" for m, p, i in sorted(missing)[:5])
         raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {shown}")
+    model.pack_weights()
     return model

@@ -1,0 +1,83 @@
+"""oneDNN-packed bf16 linear weights give exactly what `F.linear` gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvray.models import packed
+
+pytestmark = pytest.mark.skipif(
+    not packed.can_pack(torch.zeros(2, 2, dtype=torch.bfloat16)),
+    reason="no oneDNN bf16 support on this CPU",
+)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 128, 300, 2049])
+@pytest.mark.parametrize("shape,bias", [((960, 576), False), ((576, 1536), True), ((5, 7), True)])
+def test_packed_linear_is_bit_identical_to_f_linear(rows, shape, bias) -> None:
+    torch.manual_seed(rows)
+    w = torch.randn(*shape, dtype=torch.bfloat16)
+    b = torch.randn(shape[0], dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+    got = packed.packed_linear(x, packed.pack(w), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
+    assert torch.equal(got, F.linear(x, w, b))
+
+
+def test_only_bf16_cpu_weights_are_packed(monkeypatch) -> None:
+    assert not packed.can_pack(torch.zeros(2, 2))  # float32 stays on F.linear (the oracle)
+    assert not packed.can_pack(torch.zeros(2, 2, dtype=torch.float16))
+    monkeypatch.setenv("KVRAY_CPU_KERNELS", "0")
+    assert not packed.can_pack(torch.zeros(2, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_loaded_bf16_model_packs_and_gives_the_same_logits(tmp_path, monkeypatch, tied) -> None:
+    """Loading in bf16 packs every linear weight (releasing the dense copy, except the tied
+    embedding's) and the model's logits are exactly those of the unpacked model."""
+    from kvray.attention import AttnMetadata, create_attention_backend
+    from kvray.bench.tiny import write_tiny_checkpoint
+    from kvray.kvcache import create_kvcache_pool
+    from kvray.models import TPGroup, load_model
+
+    write_tiny_checkpoint(tmp_path, "qwen2", num_hidden_layers=2, tie_word_embeddings=tied)
+
+    def logits(model) -> torch.Tensor:
+        cfg = model.config
+        cache = create_kvcache_pool(
+            num_kv_heads=cfg.num_kv_heads,
+            num_layers=cfg.num_layers,
+            head_dim=cfg.head_dim,
+            num_pages=4,
+            page_size=16,
+            dtype=model.dtype,
+            device="cpu",
+            tp_size=1,
+        )
+        attn = create_attention_backend(
+            "torch", cache, model.num_q_heads_local, cfg.head_dim, model.attn_scale
+        )
+        table = torch.arange(64).reshape(2, 32)
+        ids = [list(range(3, 14)), list(range(40, 47))]
+        meta = AttnMetadata.build(table, [0, 1], [0, 0], [len(i) for i in ids], 64)
+        attn.prepare(meta)
+        flat = torch.tensor([t for i in ids for t in i])
+        return model(flat, meta.positions, attn, torch.arange(len(flat)))
+
+    model = load_model(tmp_path, TPGroup(), torch.bfloat16, "cpu")
+    layer = model.model.layers[0]
+    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert lin._packed is not None and lin.weight.device.type == "meta"
+    head = model.lm_head
+    assert head._packed is not None
+    assert head.weight.device.type == ("cpu" if tied else "meta")
+    assert model.model.embed_tokens.weight.device.type == "cpu"  # the lookup needs it
+    with pytest.raises(RuntimeError, match="packed"):
+        layer.mlp.down_proj.load_weight("weight", torch.zeros(1, 1))
+
+    monkeypatch.setattr(packed, "can_pack", lambda w: False)
+    dense = load_model(tmp_path, TPGroup(), torch.bfloat16, "cpu")
+    assert dense.model.layers[0].self_attn.qkv_proj._packed is None
+    assert torch.equal(logits(model), logits(dense))
