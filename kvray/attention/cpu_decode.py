@@ -67,12 +67,14 @@ inline __m512 exp16(__m512 x) {  // e^x = 2^n * 2^f, |f| <= 1/2, degree-7 polyno
   return _mm512_scalef_ps(p, n);
 }
 
-constexpr int64_t kAhead = 6;  // rows prefetched ahead: enough to cover DRAM latency
+constexpr int64_t kAhead = 12;  // rows prefetched ahead: enough to cover DRAM latency
 
+// Every cache line of an n-element row, into L2: prefetching into L1 instead evicts rows
+// still in use and measured ~25% slower here.
 template <typename T>
-inline void prefetch_row(const T* p, int64_t n) {  // every cache line of an n-element row
+inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * (int64_t)sizeof(T); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < n * (int64_t)sizeof(T); off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
 // Softmax of each query head's row of scores sc[hq * L + t], in place, in float32.
@@ -134,7 +136,8 @@ void scores_bf16(const uint16_t* q, const uint16_t* k, const int64_t* slots, int
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, L - t0);
-    for (int64_t i = 16; i < 32 && t0 + i < L; ++i) prefetch_row(k + slots[t0 + i] * row, row);
+    // two blocks ahead
+    for (int64_t i = 32; i < 48 && t0 + i < L; ++i) prefetch_row(k + slots[t0 + i] * row, row);
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
@@ -380,7 +383,7 @@ def _load() -> Any:
             from torch.utils.cpp_extension import load_inline
 
             _module = load_inline(
-                name="kvray_paged_decode_v6",
+                name="kvray_paged_decode_v7",
                 cpp_sources=_SOURCE,
                 functions=["paged_decode"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
