@@ -105,9 +105,7 @@ def sample(
     (numpy) arrays; `sample_device` leaves them on the logits' device. Without
     `with_logprobs` (and no top logprobs) the chosen tokens' logprobs are not computed: that
     saves a full-vocabulary reduction per row, and `logprobs` is None."""
-    return sample_device(
-        logits, params, seeds, positions, max_top_logprobs, with_logprobs
-    ).numpy()
+    return sample_device(logits, params, seeds, positions, max_top_logprobs, with_logprobs).numpy()
 
 
 def sample_device(
