@@ -16,14 +16,9 @@ no AVX-512): callers then use the torch path.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-from typing import Any
-
 import torch
 
-log = logging.getLogger(__name__)
+from kvray.cpu_ext import CpuExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -358,45 +353,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 }
 """
 
-_lock = threading.Lock()
-_module: Any = None
-_failed = False
-
-
-def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512f" in f.read()
-    except OSError:
-        return False
-
-
-def _load() -> Any:
-    global _module, _failed
-    with _lock:
-        if _module is not None or _failed:
-            return _module
-        if os.environ.get("KVRAY_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512():
-            _failed = True
-            return None
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            _module = load_inline(
-                name="kvray_paged_decode_v7",
-                cpp_sources=_SOURCE,
-                functions=["paged_decode"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-            )
-        except Exception as e:  # noqa: BLE001 - no compiler or ninja: the torch path serves
-            log.warning("kvray CPU decode kernel unavailable (%s); using torch attention", e)
-            _failed = True
-        return _module
+_EXTENSION = CpuExtension("kvray_paged_decode_v7", _SOURCE, ["paged_decode"])
 
 
 def available() -> bool:
-    return _load() is not None
+    return _EXTENSION.available()
 
 
 def paged_decode(
@@ -407,7 +368,7 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    mod = _load()
+    mod = _EXTENSION.load()
     if mod is None:
         raise RuntimeError("the CPU decode kernel is not available on this machine")
     return mod.paged_decode(q.contiguous(), k_flat, v_flat, page_table, seq_lens, scale)

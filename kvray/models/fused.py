@@ -31,15 +31,12 @@ is not contiguous, and anything autograd must see; so GPU code paths are unchang
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from kvray.cpu_ext import CpuExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -470,50 +467,21 @@ std::optional<torch::Tensor> rotary_(torch::Tensor x, torch::Tensor cos, torch::
 }
 """
 
-_lock = threading.Lock()
-_module: Any = None
-_failed = False
-
-
-def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512f" in f.read()
-    except OSError:
-        return False
-
-
-def _load() -> Any:
-    global _module, _failed
-    with _lock:
-        if _module is not None or _failed:
-            return _module
-        if os.environ.get("KVRAY_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512():
-            _failed = True
-            return None
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            _module = load_inline(
-                name="kvray_fused_ops_v1",
-                cpp_sources=_SOURCE,
-                functions=["rms_norm", "add_rms_norm", "silu_mul", "rotary_"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"],
-            )
-        except Exception as e:  # noqa: BLE001 - no compiler or ninja: the torch path serves
-            log.warning("kvray fused CPU ops unavailable (%s); using torch ops", e)
-            _failed = True
-        return _module
+_EXTENSION = CpuExtension(
+    "kvray_fused_ops_v1",
+    _SOURCE,
+    ["rms_norm", "add_rms_norm", "silu_mul", "rotary_"],
+    ["-ffp-contract=off"],
+)
 
 
 def available() -> bool:
-    return _load() is not None
+    return _EXTENSION.available()
 
 
 def _mod() -> Any:
     """The kernel module, or None where it cannot be built (one check, then cached)."""
-    return _module if _module is not None or _failed else _load()
+    return _EXTENSION.load()
 
 
 # -- torch references: the expressions the kernels reproduce, and the fallback ----------------

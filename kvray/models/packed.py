@@ -11,9 +11,9 @@ A packed weight is an opaque oneDNN tensor: it only feeds `packed_linear`.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kvray.cpu_ext import kernels_enabled
 
 # The row count oneDNN tunes the packed layout for; any row count works.
 _BATCH_HINT = 128
@@ -26,7 +26,7 @@ def can_pack(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
-        and os.environ.get("KVRAY_CPU_KERNELS", "1") != "0"
+        and kernels_enabled()
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
