@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvray.models import fused
 from kvray.models.config import ModelConfig
 from kvray.models.llama import LlamaForCausalLM
 from kvray.models.tp import TPGroup
@@ -97,4 +98,6 @@ def load_model(
         shown = ", ".join(f"{m}.{p}[{i}]" for m, p, i in sorted(missing)[:5])
         raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {shown}")
     model.pack_weights()
+    if model.device.type == "cpu":
+        fused.available()  # build the fused CPU ops now (once), not on the first request
     return model
