@@ -244,6 +244,10 @@ def tp_engine(request, kvray_ray_cluster, tiny) -> Iterator[tuple[LLM, dict[str,
 
 def test_tp_greedy_matches_tp1_and_hf(tp_engine) -> None:
     llm, entry, tp = tp_engine
+    # The engine warmed itself up before serving and kept nothing of it.
+    stats = llm.engine.stats()
+    assert stats["steps"] == stats["prefill_tokens"] == stats["prefix_query_tokens"] == 0
+    assert llm.engine.is_idle_and_empty()
     first = [o.token_ids for o in llm.generate(PROMPTS, greedy(MAX_NEW))]
     assert_same(first, entry["hf"], f"TP {tp} vs Hugging Face")
     assert_same(first, entry["tp1_out"], f"TP {tp} vs in-process TP 1")

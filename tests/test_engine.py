@@ -555,3 +555,18 @@ def test_logprobs_only_for_requests_that_ask(smol, smol_ids) -> None:
     assert all(lp <= 0.0 for lp in chosen.logprobs)
     (alone,) = smol.generate([prompt], [SamplingParams(**greedy)])
     assert alone.logprobs == [] and alone.token_ids == plain.token_ids
+
+
+def test_warm_up_runs_the_model_and_leaves_nothing_behind(tiny_checkpoints) -> None:
+    llm = new_llm(tiny_checkpoints["llama"][0], num_pages=48, page_size=4, max_prefill_tokens=64)
+    engine = llm.engine
+    calls = []
+    execute = engine.worker.execute
+    engine.worker.execute = lambda plan: calls.append(plan) or execute(plan)
+    engine.warm_up()
+    assert max(int(p.extend_lens.max()) for p in calls) == 60, "one full prefill chunk"
+    assert max(len(p.rows) for p in calls) > 1, "a batch of decodes"
+    stats = engine.scheduler.stats
+    assert stats.steps == stats.prefill_tokens == stats.prefix_query_tokens == 0
+    assert engine.scheduler.is_idle_and_empty()
+    assert_clean(llm)

@@ -49,6 +49,7 @@ class SchedulerActor:
             pg_name_prefix=pg_name_prefix,
         )
         self.core = EngineCore(spec, executor, max_inflight=2)
+        await asyncio.to_thread(self.core.warm_up)  # before the first real request
         self._loop = asyncio.get_running_loop()
         self._thread.start()
 
