@@ -10,8 +10,10 @@ inter-arrival times, seeded), all through one shared httpx.AsyncClient. Every re
 token-id prompt of random ids (lengths drawn, seeded, from `--input-len MIN MAX`) asking for
 a length drawn from `--output-len MIN MAX` with `ignore_eos`, `temperature 0`,
 `stream: true` and `stream_options.include_usage` (the final usage chunk gives the exact
-number of output tokens: one SSE chunk may carry several tokens). Every rate sends the
-same prompts.
+number of output tokens: one SSE chunk may carry several tokens). Each rate sends its own
+prompts (seeded from `--seed` and the rate's index), so no rate finds an earlier rate's
+prompts in the server's prefix cache. Running the benchmark again against the same server
+does find them: restart it, or pass another `--seed`, for cold-cache numbers.
 
 Per request: TTFT (send -> first chunk with text), the inter-token latencies (gaps between
 successive chunks with text), TPOT ((E2E - TTFT) / (output tokens - 1)) and E2E. Per rate:
@@ -283,13 +285,6 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
 
     url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    workload = make_workload(
-        args.num_requests,
-        tuple(args.input_len),
-        tuple(args.output_len),
-        tuple(args.token_range),
-        args.seed,
-    )
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))
     limits = httpx.Limits(max_connections=max(args.num_requests, 1), max_keepalive_connections=64)
     summary: dict[str, Any] = {}
@@ -298,6 +293,13 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         model = args.model or await _fetch_model(client, url, headers)
         for k, rate in enumerate(args.rate):
+            workload = make_workload(
+                args.num_requests,
+                tuple(args.input_len),
+                tuple(args.output_len),
+                tuple(args.token_range),
+                args.seed + 1000 * k,  # fresh prompts: none cached by an earlier rate
+            )
             results, duration = await run_rate(
                 client,
                 url,
