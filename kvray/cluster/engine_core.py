@@ -143,18 +143,18 @@ class EngineCore:
 
     def warm_up(self, num_decodes: int = 8, max_tokens: int = 4) -> None:
         """Run throwaway requests through the whole path once: one full prefill chunk, then
-        a batch of decodes. A server's first real requests then do not pay for first-time
-        allocations and kernel setup (seconds on a CPU). Afterwards nothing of them is
-        left: the prefix cache is flushed and the counters start from zero."""
+        a batch of decodes, so a server's first real requests do not pay for first-time
+        allocations and kernel setup. Afterwards nothing of them is left: the prefix cache
+        is flushed and the counters start from zero."""
         cfg = self.spec.scheduler_config()
         capacity = cfg.num_pages * cfg.page_size
         long_len = min(cfg.max_prefill_tokens, cfg.effective_max_seq_len, capacity // 2)
         long_len -= max_tokens
         short_len = min(16, long_len)
+        if short_len <= 0:
+            return  # a pool too small to hold even a short prompt: nothing to warm
         lo, span = 100, max(1, self.spec.vocab_size - 200)  # clear of special tokens
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        if short_len <= 0:
-            return
         prompts = [[lo + (i * 7919) % span for i in range(long_len)]]
         room = (capacity - long_len - max_tokens) // (short_len + max_tokens + cfg.page_size)
         for j in range(max(0, min(num_decodes, room, cfg.max_running_reqs - 1))):
