@@ -26,7 +26,6 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -277,20 +276,18 @@ void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t
                            _mm512_mul_ps(load16(q + (b * Hq + hq) * D + 16 * j),
                                          _mm512_set1_ps(scale)));
       // scores[hq][t] = q[hq] . k[t][hq / G]
-      {
-        for (int64_t t = 0; t < L; ++t) {
-          const T* kp = k + slots[t] * row;
-          if (t + kAhead < L) prefetch_row(k + slots[t + kAhead] * row, row);
-          for (int64_t h = 0; h < Hkv; ++h) {
-            __m512 kv[16];
-            for (int64_t j = 0; j < nv; ++j) kv[j] = load16(kp + h * D + 16 * j);
-            for (int64_t g = 0; g < G; ++g) {
-              const float* qg = &qf[(h * G + g) * D];
-              __m512 acc0 = _mm512_setzero_ps();
-              for (int64_t j = 0; j < nv; ++j)
-                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), kv[j], acc0);
-              sc[(h * G + g) * L + t] = _mm512_reduce_add_ps(acc0);
-            }
+      for (int64_t t = 0; t < L; ++t) {
+        const T* kp = k + slots[t] * row;
+        if (t + kAhead < L) prefetch_row(k + slots[t + kAhead] * row, row);
+        for (int64_t h = 0; h < Hkv; ++h) {
+          __m512 kv[16];
+          for (int64_t j = 0; j < nv; ++j) kv[j] = load16(kp + h * D + 16 * j);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = &qf[(h * G + g) * D];
+            __m512 acc0 = _mm512_setzero_ps();
+            for (int64_t j = 0; j < nv; ++j)
+              acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), kv[j], acc0);
+            sc[(h * G + g) * L + t] = _mm512_reduce_add_ps(acc0);
           }
         }
       }
@@ -353,7 +350,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 }
 """
 
-_EXTENSION = CpuExtension("kvray_paged_decode_v7", _SOURCE, ["paged_decode"])
+_EXTENSION = CpuExtension("kvray_paged_decode_v8", _SOURCE, ["paged_decode"])
 
 
 def available() -> bool:
