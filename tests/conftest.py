@@ -5,12 +5,18 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+from engine_checks import _LIVE, TINY_MAX_TOKENS, TINY_PROMPTS, assert_clean, hf_greedy
 
 from kvray.bench.tiny import write_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels (the "triton" attention backend) run on the interpreter here; the
+    # variable must be set before any kernel module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # -- tiny random checkpoints (shared by end-to-end tests) -----------------------------------
@@ -39,3 +45,27 @@ def tiny_checkpoints(tmp_path_factory) -> dict:
         path = tmp_path_factory.mktemp(f"tiny-{name}")
         out[name] = (path, build_tiny_checkpoint(kind, path, **kw))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_checkpoints) -> dict[str, tuple[str, list[list[int]]]]:
+    """{variant: (checkpoint dir, HF greedy reference for each TINY_PROMPTS entry)}."""
+    out = {}
+    for name, (path, hf) in tiny_checkpoints.items():
+        refs = [hf_greedy(hf, p, m) for p, m in zip(TINY_PROMPTS, TINY_MAX_TOKENS, strict=True)]
+        out[name] = (str(path), refs)
+    return out
+
+
+@pytest.fixture
+def engine_invariants():
+    """After each test: every engine `new_llm` built that still exists (module-scoped ones
+    included) is clean. Engines built during the test are dropped from the registry
+    afterwards. Modules opt in with `pytestmark = pytest.mark.usefixtures(...)`."""
+    first_new = len(_LIVE)  # module-scoped engines this test uses already exist
+    yield
+    try:
+        for llm in _LIVE:
+            assert_clean(llm)
+    finally:
+        del _LIVE[first_new:]

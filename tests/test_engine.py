@@ -20,80 +20,22 @@ import random
 
 import pytest
 import torch
+from engine_checks import (
+    TINY_MAX_TOKENS,
+    TINY_PROMPTS,
+    TINY_VOCAB,
+    assert_clean,
+    assert_same_tokens,
+    greedy,
+    hf_greedy,
+    new_llm,
+)
 from transformers import AutoModelForCausalLM
 
 from kvray.cluster.llm import LLM, chat_prompt_ids
 from kvray.core import RequestRejected, SamplingParams
 
-# -- engines and their invariants ---------------------------------------------------------
-
-_LIVE: list[LLM] = []  # every engine built by this module that a later check must see
-
-
-def new_llm(model=None, **kw) -> LLM:
-    """An LLM whose engine checks its integrity after every step, registered with
-    `engine_invariants`."""
-    kw.setdefault("dtype", "float32")  # "auto" would run float32 checkpoints in bfloat16
-    llm = LLM(model if model is None else str(model), progress=False, **kw)
-    engine = llm.engine
-    step = engine.step
-
-    def checked_step():
-        events = step()
-        engine.check_integrity()
-        return events
-
-    engine.step = checked_step  # type: ignore[method-assign]
-    _LIVE.append(llm)
-    return llm
-
-
-def assert_clean(llm: LLM) -> None:
-    """No leaked request, row or page: integrity holds, and after a flush every page is
-    free."""
-    engine = llm.engine
-    engine.check_integrity()
-    assert not engine.has_work, "requests left behind in the engine"
-    engine.flush_cache()
-    engine.check_integrity()
-    sched = engine.scheduler
-    assert sched.is_idle_and_empty(), (
-        f"after flush: {sched.cache.num_free_pages} of {sched.config.num_pages} pages free"
-    )
-
-
-@pytest.fixture(autouse=True)
-def engine_invariants():
-    """After each test: every engine that exists (module-scoped ones included) is clean.
-    Engines built during the test are dropped from the registry afterwards."""
-    first_new = len(_LIVE)  # module-scoped engines this test uses already exist
-    yield
-    try:
-        for llm in _LIVE:
-            assert_clean(llm)
-    finally:
-        del _LIVE[first_new:]
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def hf_greedy(hf, ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
-    """Hugging Face greedy generate on one unpadded prompt: the new tokens."""
-    kw = {} if stop_at_eos else {"eos_token_id": None}
-    # An explicit mask: without it HF masks every prompt token equal to pad_token_id
-    # (SmolLM2's pad is <|im_end|>, which chat prompts contain).
-    kw["attention_mask"] = torch.ones(1, len(ids), dtype=torch.long)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens, **kw)
-    return out[0, len(ids) :].tolist()
-
-
-def assert_same_tokens(got: list[list[int]], want: list[list[int]], what: str) -> None:
-    assert len(got) == len(want)
-    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
-    assert not bad, f"{what}: prompts {bad} differ, e.g. #{bad[0]}: {got[bad[0]]} != {want[bad[0]]}"
+pytestmark = pytest.mark.usefixtures("engine_invariants")
 
 
 # -- 1. SmolLM2 parity ----------------------------------------------------------------------
@@ -198,39 +140,6 @@ def test_smollm2_stops_at_eos_like_hf(smol, smol_ids, smol_refs) -> None:
 
 
 # -- 2. tiny random checkpoints --------------------------------------------------------------
-
-TINY_VOCAB = 301
-
-
-def _tiny_prompts() -> list[list[int]]:
-    rng = random.Random(1234)
-
-    def rand(n: int) -> list[int]:
-        return [rng.randrange(1, TINY_VOCAB) for _ in range(n)]
-
-    base = rand(37)
-    return [
-        base,  # several chunks, odd length
-        base[:24] + rand(9),  # shares 24 tokens with the first (page aligned for 1, 4)
-        rand(5),
-        rand(1),  # a one-token prompt
-        base[:33] + rand(20),  # shares 33 (unaligned for every page size but 1)
-        rand(16),  # exactly one 16-token page
-    ]
-
-
-TINY_PROMPTS = _tiny_prompts()
-TINY_MAX_TOKENS = [10, 7, 12, 9, 11, 8]  # they finish at different steps
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_checkpoints) -> dict[str, tuple[str, list[list[int]]]]:
-    """{variant: (checkpoint dir, HF greedy reference for each TINY_PROMPTS entry)}."""
-    out = {}
-    for name, (path, hf) in tiny_checkpoints.items():
-        refs = [hf_greedy(hf, p, m) for p, m in zip(TINY_PROMPTS, TINY_MAX_TOKENS, strict=True)]
-        out[name] = (str(path), refs)
-    return out
 
 
 @pytest.mark.parametrize("cache", ["naive", "radix"])

@@ -31,17 +31,29 @@ def _create_flash_attn(
     return FlashAttnBackend(kvcache, num_q_heads_local, head_dim, scale)
 
 
+@ATTENTION_BACKENDS.register("triton")
+def _create_triton(
+    kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
+) -> AttentionBackend:
+    from kvray.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(kvcache, num_q_heads_local, head_dim, scale)
+
+
 def resolve_backend_name(name: str, kvcache: MHAKVCache) -> str:
-    """Resolve "auto": "flash_attn" when it can run (CUDA pool, flash-attn installed,
-    page_size a multiple of 256), else "torch". Other names pass through unchanged."""
+    """Resolve "auto". On CUDA: "flash_attn" when it is installed and the page size suits
+    its paged kernel (a multiple of 256), else "triton" (else "torch" if Triton is
+    missing). Elsewhere: "torch". Other names pass through unchanged."""
     if name != "auto":
         return name
-    usable = (
-        kvcache.device.type == "cuda"
-        and kvcache.page_size % 256 == 0
-        and importlib.util.find_spec("flash_attn") is not None
-    )
-    return "flash_attn" if usable else "torch"
+    if kvcache.device.type != "cuda":
+        return "torch"
+    if importlib.util.find_spec("flash_attn") is not None:
+        from kvray.attention.flash_attn_backend import PAGE_MULTIPLE
+
+        if kvcache.page_size % PAGE_MULTIPLE == 0:
+            return "flash_attn"
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
 
 def backend_names() -> list[str]:

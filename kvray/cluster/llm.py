@@ -55,9 +55,14 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
 class LLM:
     """Offline batch generation. `model=None` serves the embedded SmolLM2-135M-Instruct.
 
-    tp_size 1 runs in this process (unless `use_ray`); larger TP sizes start an `Engine`
-    on Ray (joining `address` / RAY_ADDRESS, or a local cluster). Call `shutdown()` (or use
-    the LLM as a context manager) to release a Ray engine's actors.
+    tp_size 1 runs in this process (unless `use_ray`), on `device` ("auto": CUDA when this
+    process sees a GPU), and never imports Ray; larger TP sizes start an `Engine` on Ray
+    (joining `address` / RAY_ADDRESS, or a local cluster). Call `shutdown()` (or use the LLM
+    as a context manager) to release a Ray engine's actors.
+
+    `skip_tokenizer_init` loads no tokenizer (a checkpoint may have none, e.g. random
+    weights built for a benchmark): prompts must then be token ids, outputs carry token ids
+    only (empty text), and stop strings cannot be used.
     """
 
     def __init__(
@@ -73,6 +78,8 @@ class LLM:
         max_seq_len: int | None = None,
         attention_backend: str = "auto",
         seed: int = 0,
+        device: str = "auto",
+        skip_tokenizer_init: bool = False,
         use_ray: bool | None = None,
         compiled: bool = True,
         address: str | None = None,
@@ -90,6 +97,7 @@ class LLM:
             max_seq_len=max_seq_len,
             attention_backend=attention_backend,
             seed=seed,
+            device=device,
         )
         self.engine: LocalEngine | Engine
         if use_ray or (use_ray is None and tp_size > 1):
@@ -100,7 +108,7 @@ class LLM:
         else:
             self.spec = EngineSpec.resolve(self.config, progress=progress)
             self.engine = LocalEngine(self.config, self.spec)
-        self.tokenizer = load_tokenizer(self.spec.model_path)
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.spec.model_path)
 
     def __enter__(self) -> LLM:
         return self
@@ -114,6 +122,8 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
             return list(self.tokenizer(prompt)["input_ids"])
         return list(prompt)
 
@@ -147,8 +157,10 @@ class LLM:
             if len(params) != len(prompt_ids):
                 raise ValueError(f"{len(params)} sampling params for {len(prompt_ids)} prompts")
 
+        if self.tokenizer is None and any(sp.stop for sp in params):
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
         outputs: dict[int, CompletionOutput] = {}
-        detoks: dict[int, IncrementalDetokenizer] = {}
+        detoks: dict[int, IncrementalDetokenizer | None] = {}
         order: list[int] = []
         live: set[int] = set()
         params_of: dict[int, SamplingParams] = {}
@@ -159,7 +171,11 @@ class LLM:
                 live.add(rid)
                 outputs[rid] = CompletionOutput(prompt_token_ids=ids)
                 params_of[rid] = sp
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
+                detoks[rid] = (
+                    None
+                    if self.tokenizer is None
+                    else IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
+                )
             while live:
                 for ev in self._events(live):
                     if ev.rid not in live:
@@ -177,9 +193,10 @@ class LLM:
         self,
         ev: TokenEvent,
         out: CompletionOutput,
-        detok: IncrementalDetokenizer,
+        detok: IncrementalDetokenizer | None,
         sp: SamplingParams,
     ) -> None:
+        """Record one event; `detok` is None without a tokenizer (token ids only)."""
         if ev.error is not None:
             raise EngineFailed(ev.error)
         final = ev if ev.finished else None
@@ -187,16 +204,18 @@ class LLM:
             out.token_ids.append(ev.token_id)
             if ev.logprob is not None:
                 out.logprobs.append(ev.logprob)
-            if not ended_on_stop_token(ev, sp):
+            if detok is not None and not ended_on_stop_token(ev, sp):
                 detok.push(ev.token_id)
-            if detok.stopped and final is None:  # a stop string: end the request here
-                final = self.engine.abort(ev.rid, FinishReason.STOP)
+                if detok.stopped and final is None:  # a stop string: end the request here
+                    final = self.engine.abort(ev.rid, FinishReason.STOP)
         if final is None:
             return
         # A stop string wins over length (the token that completed it may be the last one).
-        out.finish_reason = FinishReason.STOP.value if detok.stopped else final.finish_reason
-        detok.flush()
-        out.text = detok.text
+        stopped = detok is not None and detok.stopped
+        out.finish_reason = FinishReason.STOP.value if stopped else final.finish_reason
+        if detok is not None:
+            detok.flush()
+            out.text = detok.text
         out.num_cached_tokens = final.num_cached_tokens or 0
 
     def chat(

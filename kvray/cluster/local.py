@@ -17,13 +17,17 @@ from kvray.workers.worker import ModelWorker
 
 
 class LocalEngine(EngineCore):
+    """`device` overrides `config.device` ("auto": CUDA when this process sees a GPU)."""
+
     def __init__(
         self, config: EngineConfig, spec: EngineSpec | None = None, device: str | None = None
     ) -> None:
         if config.tp_size != 1:
             raise ValueError("LocalEngine runs TP 1; use the Ray engine for tp_size > 1")
         spec = spec or EngineSpec.resolve(config)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         # In process the step is computed inside submit: nothing to overlap with.
         super().__init__(spec, LocalExecutor(spec.worker_spec(device)), max_inflight=1)
 

@@ -16,6 +16,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default="radix", choices=SUPPORTED_CACHE_MANAGER.names())
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--attention-backend", default="auto", choices=backend_names())
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs (auto: CUDA when there is a GPU)",
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -29,6 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
         cache=args.cache,
         num_pages=args.num_pages,
         attention_backend=args.attention_backend,
+        device=args.device,
     )
     sp = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
@@ -77,6 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_running_reqs=args.max_running,
         max_prefill_tokens=args.max_prefill_tokens,
         attention_backend=args.attention_backend,
+        device=args.device,
     )
     settings = ServeSettings(
         engine=config.model_dump(),
