@@ -47,14 +47,30 @@ def tiny_checkpoints(tmp_path_factory) -> dict:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny(tiny_checkpoints) -> dict[str, tuple[str, list[list[int]]]]:
+def _with_refs(checkpoints: dict) -> dict[str, tuple[str, list[list[int]]]]:
     """{variant: (checkpoint dir, HF greedy reference for each TINY_PROMPTS entry)}."""
     out = {}
-    for name, (path, hf) in tiny_checkpoints.items():
+    for name, (path, hf) in checkpoints.items():
         refs = [hf_greedy(hf, p, m) for p, m in zip(TINY_PROMPTS, TINY_MAX_TOKENS, strict=True)]
         out[name] = (str(path), refs)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_checkpoints) -> dict[str, tuple[str, list[list[int]]]]:
+    """{variant: (checkpoint dir, HF greedy reference for each TINY_PROMPTS entry)}."""
+    return _with_refs(tiny_checkpoints)
+
+
+@pytest.fixture(scope="session")
+def tiny_bare(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
+    """As `tiny`, saved without a tokenizer: a GPU machine has no embedded model to take
+    one from (load them with `skip_tokenizer_init=True`)."""
+    checkpoints = {}
+    for name, (kind, kw) in TINY_VARIANTS.items():
+        path = tmp_path_factory.mktemp(f"tiny-bare-{name}")
+        checkpoints[name] = (path, build_tiny_checkpoint(kind, path, tokenizer=False, **kw))
+    return _with_refs(checkpoints)
 
 
 @pytest.fixture

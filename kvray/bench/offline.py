@@ -2,6 +2,7 @@
 
     kvray bench offline [--num-requests 128] [--input-len 32 512] [--output-len 32 256]
                         [--hf-batch 64] [--dtype bfloat16] [--json PATH]
+                        [--device auto|cpu|cuda] [--random-model qwen3-0.6b|CONFIG.json]
 
 One seeded workload (random token-id prompts, fixed output lengths, EOS ignored) runs
 through `kvray.LLM` and through transformers `generate` in static batches of `--hf-batch`
@@ -10,6 +11,11 @@ threads. Throughput counts the tokens each request asked for. A third phase meas
 decode with `--decode-running` requests running and reports the model FLOP/s achieved
 (2 x (non-embedding parameters + LM head) per token) against the bf16 matmul peak measured
 in the same run (`decode_mfu`).
+
+`--random-model` builds a checkpoint of that shape with random weights first (a preset name
+or a config.json; see `kvray.bench.tiny.PRESETS`), so no weights need to travel: on a GPU
+machine, `--device cuda --random-model qwen3-0.6b --num-requests 256 --input-len 100 1024
+--output-len 100 1024` is mini-sglang's offline workload. Both engines run on `--device`.
 """
 
 from __future__ import annotations
@@ -17,14 +23,19 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from kvray.attention import backend_names
 from kvray.bench.report import machine_info, print_table, write_bars, write_json
+from kvray.bench.tiny import write_random_checkpoint
+from kvray.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -50,17 +61,28 @@ def make_workload(
     return Workload(prompts, [rng.randint(*output_len) for _ in range(n)])
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, seconds: float = 2.0) -> float:
-    """Best sustained FLOP/s of an n x n x n matmul in `dtype` on this machine."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """Waits for the device's queued work (a no-op on CPUs, which compute eagerly)."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device, seconds: float = 2.0) -> float:
+    """Best sustained FLOP/s of a square matmul in `dtype` on `device` (n = 2048 on a CPU,
+    8192 on a GPU, timed over batches of products there)."""
+    n, reps = (8192, 10) if device.type == "cuda" else (2048, 1)
+    sync = _synchronizer(device)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
     for _ in range(3):
         a @ b
+    sync()
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         t = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t))
+        for _ in range(reps):
+            a @ b
+        sync()
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t))
     return best
 
 
@@ -83,10 +105,13 @@ def run_kvray(llm: Any, wl: Workload) -> dict[str, float]:
     return _rates(wl, elapsed)
 
 
-def run_hf(path: str, wl: Workload, dtype: torch.dtype, batch: int) -> dict[str, float]:
+def run_hf(
+    path: str, wl: Workload, dtype: torch.dtype, batch: int, device: torch.device
+) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    sync = _synchronizer(device)
     pad = model.generation_config.pad_token_id
     pad = 0 if pad is None else int(pad if isinstance(pad, int) else pad[0])
     t = time.perf_counter()
@@ -94,8 +119,8 @@ def run_hf(path: str, wl: Workload, dtype: torch.dtype, batch: int) -> dict[str,
     for i in tqdm(batches, desc="hf generate", unit="batch"):
         prompts, outs = wl.prompts[i : i + batch], wl.output_lens[i : i + batch]
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         with torch.inference_mode():
             model.generate(
                 input_ids=ids,
@@ -106,6 +131,7 @@ def run_hf(path: str, wl: Workload, dtype: torch.dtype, batch: int) -> dict[str,
                 eos_token_id=None,
                 pad_token_id=pad,
             )
+    sync()
     elapsed = time.perf_counter() - t
     del model
     return _rates(wl, elapsed)
@@ -149,7 +175,20 @@ def steady_decode(llm: Any, running: int, prompt_len: int, steps: int, seed: int
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument(
+        "--random-model",
+        default=None,
+        metavar="SPEC",
+        help="benchmark random weights of this shape instead: a preset or a config.json",
+    )
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--attention-backend", default="auto", choices=backend_names())
+    ap.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=EngineConfig.model_fields["kv_cache_memory_gb"].default,
+    )
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
     ap.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
@@ -165,18 +204,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from kvray import LLM
-
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(
+        "cuda"
+        if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
+    if args.random_model is None:
+        return _run(args, args.model, device, tokenizer=True)
+    with tempfile.TemporaryDirectory(prefix="kvray-random-model-") as tmp:
+        print(f"random weights of shape {args.random_model!r} ({args.dtype}, {device})")
+        write_random_checkpoint(tmp, args.random_model, args.dtype, device.type, args.seed)
+        return _run(args, tmp, device, tokenizer=False)
+
+
+def _run(
+    args: argparse.Namespace, model: str | None, device: torch.device, tokenizer: bool
+) -> dict[str, Any]:
+    from kvray import LLM
+
     dtype = getattr(torch, args.dtype)
     llm = LLM(
-        model=args.model,
+        model=model,
         dtype=args.dtype,
         page_size=args.page_size,
         max_running_reqs=max(args.num_requests, args.decode_running),
         max_prefill_tokens=args.max_prefill_tokens,
+        attention_backend=args.attention_backend,
         seed=args.seed,
+        device=device.type,
+        skip_tokenizer_init=not tokenizer,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
     )
     path = str(llm.spec.model_path)
     wl = make_workload(
@@ -186,11 +245,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         llm.spec.vocab_size,
         args.seed,
     )
+    backend = type(llm.engine.worker.attn).__name__
     print(
         f"workload: {args.num_requests} requests, {wl.input_tokens} prompt tokens, "
-        f"{wl.output_tokens} output tokens, {args.dtype}, {torch.get_num_threads()} threads"
+        f"{wl.output_tokens} output tokens, {args.dtype} on {device} ({backend}), "
+        f"{torch.get_num_threads()} threads"
     )
-    run_kvray(llm, make_workload(4, (16, 32), (4, 8), llm.spec.vocab_size, args.seed + 1))  # warm
+    # Warm up (kernel builds, allocator): prefills, and decode batches small and large.
+    warm = make_workload(min(args.num_requests, 64), (16, 48), (4, 8), llm.spec.vocab_size, 1)
+    run_kvray(llm, warm)
     kv = run_kvray(llm, wl)
     print(f"kvray: {kv['output_tok_s']:.1f} output tok/s in {kv['elapsed_s']:.1f} s")
 
@@ -200,12 +263,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     decode_tok_s = steady_decode(
         llm, args.decode_running, args.decode_prompt_len, args.decode_steps, args.seed + 2
     )
-    peak = matmul_peak(dtype)
+    peak = matmul_peak(dtype, device)
     mfu = decode_tok_s * flops_tok / peak
     llm.engine.check_integrity()
-    del llm
+    del llm, worker_model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
-    hf = None if args.skip_hf else run_hf(path, wl, dtype, args.hf_batch)
+    hf = None if args.skip_hf else run_hf(path, wl, dtype, args.hf_batch, device)
     rows = [["kvray", kv["output_tok_s"], kv["total_tok_s"], kv["elapsed_s"]]]
     if hf is not None:
         rows.append(
@@ -227,7 +292,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table("offline throughput", ["system", "output tok/s", "total tok/s", "seconds"], rows)
     print_table(
         f"steady decode, {args.decode_running} running",
-        ["decode tok/s", "GFLOP/token", "achieved TFLOP/s", "bf16 peak TFLOP/s", "decode_mfu"],
+        [
+            "decode tok/s",
+            "GFLOP/token",
+            "achieved TFLOP/s",
+            f"{args.dtype} peak TFLOP/s",
+            "decode_mfu",
+        ],
         [[decode_tok_s, flops_tok / 1e9, decode_tok_s * flops_tok / 1e12, peak / 1e12, mfu]],
     )
     summary = {
@@ -239,6 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "decode_tok_s": decode_tok_s,
         "decode_mfu": mfu,
         "matmul_peak_tflops": peak / 1e12,
+        "device": str(device),
+        "attention_backend": backend,
     }
     payload = {"summary": summary, "config": vars(args), "machine": machine_info()}
     out = write_json(

@@ -1,7 +1,10 @@
-"""Tiny random Llama / Qwen2 / Qwen3 checkpoints for benchmarks and tests (one home)."""
+"""Random-weight checkpoints for benchmarks and tests (one home): tiny Llama / Qwen2 / Qwen3
+models for the test suite, and any model shape from a config (a preset name or a
+config.json), so a benchmark needs no weights to travel."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -49,3 +52,60 @@ def write_tiny_checkpoint(
         for name in TOKENIZER_FILES:
             shutil.copyfile(src / name, path / name)
     return model
+
+
+# Shapes of public checkpoints (their config.json facts, no weights).
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(  # Qwen/Qwen3-0.6B
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "tiny-llama": dict(model_type="llama", **TINY_COMMON, num_hidden_layers=2),
+}
+
+
+def random_model_config(spec: str) -> dict[str, Any]:
+    """A model shape: a `PRESETS` name or the path of a config.json (with `model_type`)."""
+    if spec in PRESETS:
+        return dict(PRESETS[spec])
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"{spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file"
+        )
+    config = json.loads(path.read_text())
+    if "model_type" not in config:
+        raise ValueError(f"{path} has no model_type")
+    return config
+
+
+def write_random_checkpoint(
+    path: str | Path, spec: str, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0
+) -> Path:
+    """Save a checkpoint of shape `spec` (see `random_model_config`) with random weights
+    (transformers' own initialisation, drawn on `device`) in `dtype`, without a tokenizer.
+    Returns `path`."""
+    import torch
+    import transformers as tf
+
+    config = random_model_config(spec)
+    hf_config = tf.AutoConfig.for_model(config.pop("model_type"), **config)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.to("cpu").save_pretrained(path)
+    return path
