@@ -2,8 +2,8 @@
 (conftest sets TRITON_INTERPRET=1 before any kernel is built).
 
 - Its kernels against dense causal attention over a scattered paged pool: mixed batches of
-  prefills, cached-prefix extends, chunks and decodes, page sizes 1 and 16, GQA, MHA and
-  one shared KV head, float32 / bfloat16 / float16, several decode splits, contexts of
+  prefills, cached-prefix extends, chunks and decodes, page sizes 1 and 16, GQA (groups
+  of 2 and 3), MHA and one shared KV head, float32 / bfloat16 / float16, several decode splits, contexts of
   many key blocks, a head_dim that is not a power of two.
 - That it reads only the slots of each request's context: every other slot of the pool
   (and the dummy page that pads the page table) holds NaN.
@@ -43,7 +43,7 @@ def _two_steps(backend, pool: Pool, cases, q_all, k_all, v_all) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 2), (2, 2), (4, 1)])
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 2), (2, 2), (4, 1), (6, 2)])
 def test_mixed_batch_matches_dense(page_size, q_heads, kv_heads, dtype) -> None:
     torch.manual_seed(page_size + 10 * q_heads + kv_heads)
     pool = Pool(page_size, kv_heads, dtype, seed=page_size)

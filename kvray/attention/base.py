@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from kvray.kvcache.mha_pool import MHAKVCache
 
@@ -40,6 +41,12 @@ class AttnMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def decodes_and_extends(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch indices (int64) of the requests computing one token this step (decodes)
+        and of those computing several (extends: prefills, chunks, cached-prefix prompts)."""
+        is_decode = self.seq_lens_q == 1
+        return is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)
 
     @classmethod
     def build(
@@ -87,7 +94,8 @@ class AttnMetadata:
 class AttentionBackend(ABC):
     """Attention over an `MHAKVCache`. `prepare(meta)` runs once per step; then every
     layer calls `forward`, which first stores this step's K/V at `meta.out_loc` and then
-    attends over each request's whole context read back from the cache."""
+    attends (`attend`, what a backend implements) over each request's whole context read
+    back from the cache."""
 
     def __init__(
         self, kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
@@ -111,8 +119,16 @@ class AttentionBackend(ABC):
             raise RuntimeError("attention backend used before prepare(meta)")
         return self.meta
 
-    @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]. Stores this step's K/V at
+        `meta.out_loc` first, so `attend` reads them back with the cached ones."""
+        meta = self._prepared()
+        self.kvcache.store_kv(k, v, meta.out_loc, layer_id)
+        return self.attend(q, k, v, layer_id, meta)
+
+    @abstractmethod
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, layer_id: int, meta: AttnMetadata) -> Tensor:
+        """Attention of this step's queries over each request's context in layer
+        `layer_id` of the pool (this step's k/v are already stored there)."""

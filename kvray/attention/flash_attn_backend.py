@@ -8,6 +8,7 @@ divided by page_size (pages are contiguous runs of slots, first slot a multiple 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from kvray.attention.base import AttentionBackend, AttnMetadata
 from kvray.kvcache.mha_pool import MHAKVCache
@@ -41,11 +42,7 @@ class FlashAttnBackend(AttentionBackend):
         torch.cumsum(meta.seq_lens_k, 0, out=cu_k[1:])
         self._cu_seqlens_k = cu_k
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
-    ) -> torch.Tensor:
-        meta = self._prepared()
-        self.kvcache.store_kv(k, v, meta.out_loc, layer_id)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, layer_id: int, meta: AttnMetadata) -> Tensor:
         # causal=True aligns the query block to the END of each key range, which is exactly
         # "query at position p sees keys <= p" when the cache holds positions 0..seq_len_k-1.
         out = flash_attn_varlen_func(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from kvray.attention import cpu_decode
 from kvray.attention.base import AttentionBackend, AttnMetadata
@@ -92,9 +93,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttnMetadata) -> None:
         super().prepare(meta)
-        is_decode = meta.seq_lens_q == 1
-        decodes = is_decode.nonzero().squeeze(1)
-        extends = (~is_decode).nonzero().squeeze(1)
+        decodes, extends = meta.decodes_and_extends()
         self._decode: _DecodeGroup | None = None
         self._groups = []
         if decodes.numel() > 0:
@@ -122,12 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = k_pos[None, :] <= q_pos[:, None]
                 self._extends.append(_Extend(start, start + lq, slots, mask))
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
-    ) -> torch.Tensor:
-        meta = self._prepared()
-        # Write first: this step's keys are read back below together with older ones.
-        self.kvcache.store_kv(k, v, meta.out_loc, layer_id)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, layer_id: int, meta: AttnMetadata) -> Tensor:
         k_pool, v_pool = self.kvcache.k_flat(layer_id), self.kvcache.v_flat(layer_id)
         gqa = self.num_q_heads != self.kvcache.local_kv_heads
         out = q.new_empty(q.shape)

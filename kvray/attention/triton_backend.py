@@ -1,10 +1,11 @@
 """The "triton" backend: paged attention kernels in Triton (`kvray.attention.triton_ops`).
 
 The default on CUDA when flash-attn is not installed (or the page size does not suit it).
-Each step splits the batch into decodes (one query token: the split-K decode kernel) and
-extends (prefill, a chunk of one, or a prompt after a cached prefix: the causal extend
-kernel). Both read K/V in place through the page table, for any page size, after this
-step's K/V have been stored, so cached and new keys are one sequence to them.
+Each step launches the paged kernel once for its decodes (one query token each; the keys
+of each may be split over several programs when the batch is too small to fill the GPU)
+and once for its extends (prefill, a chunk of one, or a prompt after a cached prefix). It
+reads K/V in place through the page table, for any page size, after this step's K/V have
+been stored, so cached and new keys are one sequence to it.
 
 It runs on CUDA devices, and on CPUs under the Triton interpreter (`TRITON_INTERPRET=1`),
 which is how CI checks it.
@@ -13,6 +14,7 @@ which is how CI checks it.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from kvray.attention import triton_ops
 from kvray.attention.base import AttentionBackend, AttnMetadata
@@ -61,50 +63,36 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttnMetadata) -> None:
         super().prepare(meta)
-        lens_q = meta.seq_lens_q.cpu()  # the step's one host sync: which rows decode
-        is_decode = lens_q == 1
-        device = meta.seq_lens_q.device
-        self._decodes = is_decode.nonzero().squeeze(1).to(device, torch.int32)
-        self._extends = (~is_decode).nonzero().squeeze(1).to(device, torch.int32)
-        n_ext = int(self._extends.shape[0])
-        self._max_extend_q = int(lens_q[~is_decode].max()) if n_ext else 0
-        self._splits = self._num_splits or decode_splits(
-            int(self._decodes.shape[0]), self.kvcache.local_kv_heads, self._num_sms
+        decodes, extends = meta.decodes_and_extends()
+        max_extend_q = int(meta.seq_lens_q[extends].max()) if extends.numel() else 0
+        splits = self._num_splits or decode_splits(
+            int(decodes.numel()), self.kvcache.local_kv_heads, self._num_sms
         )
+        # One kernel launch per kind: (requests, longest query, decode splits).
+        self._launches = [
+            (idx.to(torch.int32), max_q, n_splits)
+            for idx, max_q, n_splits in ((decodes, 1, splits), (extends, max_extend_q, 1))
+            if idx.numel()
+        ]
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
-    ) -> torch.Tensor:
-        meta = self._prepared()
-        # Write first: the kernels read this step's keys back with the cached ones.
-        self.kvcache.store_kv(k, v, meta.out_loc, layer_id)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, layer_id: int, meta: AttnMetadata) -> Tensor:
         k_pool, v_pool = self.kvcache.k_flat(layer_id), self.kvcache.v_flat(layer_id)
-        if q.stride(-1) != 1:  # the kernels index head_dim with unit stride
+        if q.stride(-1) != 1:  # the kernel indexes head_dim with unit stride
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        triton_ops.paged_decode(
-            q,
-            k_pool,
-            v_pool,
-            out,
-            meta.page_table,
-            meta.seq_lens_k,
-            meta.cu_seqlens_q,
-            self._decodes,
-            self.scale,
-            num_splits=self._splits,
-        )
-        triton_ops.paged_extend(
-            q,
-            k_pool,
-            v_pool,
-            out,
-            meta.page_table,
-            meta.seq_lens_q,
-            meta.seq_lens_k,
-            meta.cu_seqlens_q,
-            self._extends,
-            self._max_extend_q,
-            self.scale,
-        )
+        for req_idx, max_q, num_splits in self._launches:
+            triton_ops.paged_attention(
+                q,
+                k_pool,
+                v_pool,
+                out,
+                meta.page_table,
+                meta.seq_lens_q,
+                meta.seq_lens_k,
+                meta.cu_seqlens_q,
+                req_idx,
+                max_q,
+                self.scale,
+                num_splits,
+            )
         return out.flatten(1)
