@@ -34,6 +34,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror kvray/csrc/*.cpp
 
 bench-scheduler: $(STAMP)
 	$(VENV)/bin/kvray bench scheduler

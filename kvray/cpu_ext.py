@@ -1,22 +1,28 @@
 """The C++ CPU kernels' common loader: compiled on first use, once per process.
 
-A kernel module (`kvray.attention.cpu_decode`, `kvray.models.fused`) holds its C++ source
-and a `CpuExtension`; the first `load()` compiles it with torch's `load_inline` (cached by
-torch under ~/.cache/torch_extensions, so later processes only load it). Where it cannot be
-built (no AVX-512, no compiler or ninja) or `KVRAY_CPU_KERNELS=0` is set, `load()` returns
-None and callers keep to their plain torch path.
+The kernels are real source files in `kvray/csrc/` (each ends with its pybind11 module
+definition), shipped with the package. The first `load()` compiles one with torch's
+`cpp_extension.load`, under a name that carries a hash of its source, its flags and the
+torch version: an edited source is a new build, never a stale binary, and later processes
+only load what torch cached under ~/.cache/torch_extensions (or TORCH_EXTENSIONS_DIR).
+Where it cannot be built (no AVX-512, no compiler or ninja) or `KVRAY_CPU_KERNELS=0` is
+set, `load()` returns None and callers keep to their plain torch path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 from collections.abc import Sequence
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
 
 
 def kernels_enabled() -> bool:
@@ -34,18 +40,23 @@ def cpu_has_avx512() -> bool:
 
 
 class CpuExtension:
-    """One inline C++ extension for AVX-512 CPUs, built at most once (thread-safe)."""
+    """One C++ source file (in `kvray/csrc`) for AVX-512 CPUs, built at most once per
+    process (thread-safe)."""
 
-    def __init__(
-        self, name: str, source: str, functions: Sequence[str], extra_cflags: Sequence[str] = ()
-    ) -> None:
-        self.name = name  # bump it when the source changes: torch caches builds by name
+    def __init__(self, source: Path, extra_cflags: Sequence[str] = ()) -> None:
         self.source = source
-        self.functions = list(functions)
         self.extra_cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
         self._lock = threading.Lock()
         self._module: Any = None
         self._tried = False
+
+    def build_name(self) -> str:
+        """The module's name: the file's stem and a hash of what the binary depends on."""
+        import torch
+
+        digest = hashlib.sha256(self.source.read_bytes())
+        digest.update("\0".join([*self.extra_cflags, torch.__version__]).encode())
+        return f"kvray_{self.source.stem}_{digest.hexdigest()[:16]}"
 
     def load(self) -> Any:
         """The compiled module, or None where it cannot be built or is turned off."""
@@ -56,17 +67,16 @@ class CpuExtension:
                 return self._module
             if kernels_enabled() and cpu_has_avx512():
                 try:
-                    from torch.utils.cpp_extension import load_inline
+                    from torch.utils.cpp_extension import load
 
-                    self._module = load_inline(
-                        name=self.name,
-                        cpp_sources=self.source,
-                        functions=self.functions,
+                    self._module = load(
+                        name=self.build_name(),
+                        sources=[str(self.source)],
                         extra_cflags=self.extra_cflags,
                         extra_ldflags=["-fopenmp"],
                     )
                 except Exception as e:  # noqa: BLE001 - the torch path serves instead
-                    log.warning("kvray CPU kernel %s unavailable (%s); using torch", self.name, e)
+                    log.warning("kvray CPU kernel %s unavailable (%s); using torch", self.source, e)
             self._tried = True
             return self._module
 

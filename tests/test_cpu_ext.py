@@ -10,18 +10,36 @@ from kvray import cpu_ext
 from kvray.cpu_ext import CpuExtension
 
 
-def test_switched_off_never_builds(monkeypatch) -> None:
+def test_switched_off_never_builds(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("KVRAY_CPU_KERNELS", "0")
-    ext = CpuExtension("kvray_test_never_built", "this is not C++", ["f"])
+    source = tmp_path / "never_built.cpp"
+    source.write_text("this is not C++")
+    ext = CpuExtension(source)
     assert ext.load() is None and not ext.available()
 
 
+def test_every_source_edit_is_a_new_build(tmp_path) -> None:
+    """Builds are named by a hash of the source and flags: an edit never loads a stale
+    binary, and the shipped kernels are real files."""
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 0; }\n")
+    name = CpuExtension(source).build_name()
+    assert name.startswith("kvray_k_") and name == CpuExtension(source).build_name()
+    assert CpuExtension(source, ["-DX"]).build_name() != name
+    source.write_text("int f() { return 1; }\n")
+    assert CpuExtension(source).build_name() != name
+    shipped = sorted(p.name for p in cpu_ext.CSRC.glob("*.cpp"))
+    assert shipped == ["fused_ops.cpp", "paged_decode.cpp"]
+
+
 @pytest.mark.skipif(not cpu_ext.cpu_has_avx512(), reason="no AVX-512: nothing is ever built")
-def test_a_failed_build_is_a_warning_and_none(monkeypatch, caplog) -> None:
+def test_a_failed_build_is_a_warning_and_none(monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setenv("KVRAY_CPU_KERNELS", "1")
-    ext = CpuExtension("kvray_test_broken_build", "int f( { return 0; }", ["f"])
+    source = tmp_path / "broken_build.cpp"
+    source.write_text("int f( { return 0; }")
+    ext = CpuExtension(source)
     with caplog.at_level(logging.WARNING, logger="kvray.cpu_ext"):
         assert ext.load() is None
-    assert "kvray_test_broken_build unavailable" in caplog.text
+    assert "broken_build.cpp unavailable" in caplog.text
     caplog.clear()
     assert ext.load() is None and not caplog.text  # tried once, not again

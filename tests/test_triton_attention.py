@@ -1,10 +1,10 @@
 """The "triton" attention backend, on the Triton interpreter where there is no GPU
 (conftest sets TRITON_INTERPRET=1 before any kernel is built).
 
-- Its kernels against dense causal attention over a scattered paged pool: mixed batches of
+- Its kernel against dense causal attention over a scattered paged pool: mixed batches of
   prefills, cached-prefix extends, chunks and decodes, page sizes 1 and 16, GQA (groups
-  of 2 and 3), MHA and one shared KV head, float32 / bfloat16 / float16, several decode splits, contexts of
-  many key blocks, a head_dim that is not a power of two.
+  of 2 and 3), MHA and one shared KV head, float32 / bfloat16 / float16, several decode
+  splits, contexts of many key blocks, a head_dim that is not a power of two.
 - That it reads only the slots of each request's context: every other slot of the pool
   (and the dummy page that pads the page table) holds NaN.
 - The whole engine with it equals Hugging Face greedy output.

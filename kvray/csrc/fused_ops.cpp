@@ -1,0 +1,434 @@
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+// Built with -ffp-contract=off: a multiply followed by an add must round twice, as the
+// separate torch ops do, never fuse into one FMA. FMAs are written explicitly where ATen
+// (SLEEF) uses them.
+
+namespace {
+
+using bf16 = uint16_t;  // raw bfloat16 bits; a T below is bf16 or float, computed as float
+
+// ---- loads and conversions ------------------------------------------------------------------
+
+inline __m512 bf16_to_float(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const bf16* p) {
+  return bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p, __mmask16 m) {
+  return bf16_to_float(_mm256_maskz_loadu_epi16(m, p));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+
+inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1); }
+
+inline float to_float(bf16 h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_float(float f) { return f; }
+
+// float -> bfloat16 as c10::BFloat16 does it: round to nearest even, NaN stays NaN,
+// denormals kept.
+inline bf16 bf16_of(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return bf16(u >> 16);
+}
+template <typename T>
+inline T from_float(float f) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return bf16_of(f);
+  } else {
+    return f;
+  }
+}
+template <typename T>
+inline float round_to(float f) {  // f rounded to T's precision
+  return to_float(from_float<T>(f));
+}
+
+// ---- rounding 16 floats to bfloat16 ---------------------------------------------------------
+
+// The bits of v rounded to bfloat16 precision (the bfloat16 is the high half of each lane):
+// round to nearest even, denormals kept, as c10::BFloat16 does. VCVTNEPS2BF16 would be one
+// instruction, but it flushes denormals to zero. NaN needs no special case here: every NaN
+// these kernels round comes from a bfloat16 input or is the default NaN of an invalid
+// operation, so its low 16 bits are zero, the bias cannot carry out of them, and it stays NaN.
+inline __m512i rne_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+}
+inline __m256i to_bf16(__m512 v) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rne_bits(v), 16));
+}
+
+// v rounded to T's precision, kept as float: what a T tensor holding v reads back as.
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return _mm512_castsi512_ps(_mm512_and_si512(rne_bits(v), _mm512_set1_epi32(0xFFFF0000)));
+  } else {
+    return v;
+  }
+}
+
+inline void store16(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+
+// Rows of a [A, B, D] tensor whose last dim is contiguous: row r is (r / B, r % B).
+template <typename T>
+struct Rows {
+  T* base;
+  int64_t B, sA, sB;
+  explicit Rows(const torch::Tensor& t)
+      : base(reinterpret_cast<T*>(t.data_ptr())), B(t.size(1)), sA(t.stride(0)), sB(t.stride(1)) {}
+  T* operator[](int64_t r) const { return base + (r / B) * sA + (r % B) * sB; }
+};
+
+// Rows per task: enough work per task that small batches stay on the calling thread
+// (waking the pool costs more than they take).
+inline int64_t grain(int64_t row_elems) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems));
+}
+
+// ---- RMSNorm ----------------------------------------------------------------------------
+
+inline int64_t ceil_log2(int64_t x) {  // c10 utils::CeilLog2
+  if (x <= 2) return 1;
+  return 64 - __builtin_clzll(uint64_t(x - 1));
+}
+
+// sum(x.float() ** 2) over one row, added in exactly the order of ATen's CPU sum over a
+// contiguous last dim (SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum,
+// 4-way ILP, a 4-level cascade, then the lanes one by one after the scalar tail), so the
+// mean matches to the bit. ATen registers its sum kernel with REGISTER_DISPATCH, which
+// skips AVX-512: on AVX-512 machines it runs the AVX2 build, whose vectors have 8 lanes.
+inline __m256 load8(const bf16* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+template <typename T>
+float sum_squares(const T* x, int64_t n) {
+  constexpr int64_t kLanes = 8, kLevels = 4, kIlp = 4;
+  if (n < kLanes) {  // too short for a vector: ATen's scalar_inner_sum, 4-way ILP
+    float p[kIlp] = {0.0f, 0.0f, 0.0f, 0.0f};
+    auto sq1 = [&](int64_t k) {
+      const float a = to_float(x[k]);
+      return a * a;
+    };
+    const int64_t nilp = n / kIlp;  // 0 or 1: far below one cascade level
+    for (int64_t i = 0; i < nilp; ++i)
+      for (int64_t k = 0; k < kIlp; ++k) p[k] += sq1(i * kIlp + k);
+    for (int64_t k = nilp * kIlp; k < n; ++k) p[0] += sq1(k);
+    for (int64_t k = 1; k < kIlp; ++k) p[0] += p[k];
+    return p[0];
+  }
+  const int64_t nvec = n / kLanes, nilp = nvec / kIlp;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(nilp) / kLevels);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  auto sq = [&](int64_t v) {
+    __m256 a = load8(x + kLanes * v);
+    return _mm256_mul_ps(a, a);
+  };
+  __m256 acc[kLevels][kIlp];
+  for (auto& level : acc)
+    for (auto& a : level) a = _mm256_setzero_ps();
+  int64_t i = 0;
+  while (i + level_step <= nilp) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int64_t k = 0; k < kIlp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], sq(i * kIlp + k));
+    for (int64_t j = 1; j < kLevels; ++j) {
+      for (int64_t k = 0; k < kIlp; ++k) {
+        acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+        acc[j - 1][k] = _mm256_setzero_ps();
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < nilp; ++i)
+    for (int64_t k = 0; k < kIlp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], sq(i * kIlp + k));
+  for (int64_t j = 1; j < kLevels; ++j)
+    for (int64_t k = 0; k < kIlp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+  for (int64_t v = nilp * kIlp; v < nvec; ++v) acc[0][0] = _mm256_add_ps(acc[0][0], sq(v));
+  for (int64_t k = 1; k < kIlp; ++k) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
+  float total = 0.0f;
+  for (int64_t k = nvec * kLanes; k < n; ++k) {
+    const float a = to_float(x[k]);
+    const float a2 = a * a;
+    total += a2;
+  }
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, acc[0][0]);
+  for (int64_t k = 0; k < kLanes; ++k) total += lanes[k];
+  return total;
+}
+
+// 1 / sqrt(mean(x^2) + eps), as torch computes it: the sum above, divided by n, eps added,
+// then sqrt and division (each correctly rounded, as ATen's rsqrt is).
+template <typename T>
+inline float inv_rms(const T* x, int64_t n, float eps) {
+  const float mean = sum_squares(x, n) / float(n);
+  return 1.0f / std::sqrt(mean + eps);
+}
+
+// out = weight * (x * r).to(T), the transformers expression: in bf16 the normalised value
+// is rounded to bf16 before the product with the weight, which is rounded again.
+template <typename T>
+inline void scale_row(const T* x, const T* w, T* out, int64_t n, float r) {
+  const __m512 rv = _mm512_set1_ps(r);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 y = round_to<T>(_mm512_mul_ps(load16(x + j), rv));
+    store16(out + j, _mm512_mul_ps(load16(w + j), y));
+  }
+  if (j < n) {
+    const __mmask16 m = tail_mask(n - j);
+    const __m512 y = round_to<T>(_mm512_mul_ps(load16(x + j, m), rv));
+    store16(out + j, _mm512_mul_ps(load16(w + j, m), y), m);
+  }
+}
+
+// out [A, B, D] contiguous.
+template <typename T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, float eps) {
+  const Rows<const T> xr(x);
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const T* wp = reinterpret_cast<const T*>(w.data_ptr());
+  const int64_t rows = x.size(0) * x.size(1), n = x.size(2);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xi = xr[i];
+      const float r = inv_rms(xi, n, eps);
+      scale_row(xi, wp, op + i * n, n, r);
+    }
+  });
+}
+
+// new_res = x + res (rounded to T), out = rms_norm(new_res), row by row while the row is in
+// L1. out and new_res [A, B, D] contiguous.
+template <typename T>
+void add_rms_norm_impl(const torch::Tensor& x, const torch::Tensor& res, const torch::Tensor& w,
+                       torch::Tensor& out, torch::Tensor& new_res, float eps) {
+  const Rows<const T> xr(x), rr(res);
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  T* sp = reinterpret_cast<T*>(new_res.data_ptr());
+  const T* wp = reinterpret_cast<const T*>(w.data_ptr());
+  const int64_t rows = x.size(0) * x.size(1), n = x.size(2);
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* a = xr[i];
+      const T* b = rr[i];
+      T* s = sp + i * n;
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16) store16(s + j, _mm512_add_ps(load16(a + j), load16(b + j)));
+      if (j < n) {
+        const __mmask16 m = tail_mask(n - j);
+        store16(s + j, _mm512_add_ps(load16(a + j, m), load16(b + j, m)), m);
+      }
+      const float r = inv_rms(s, n, eps);
+      scale_row(s, wp, op + i * n, n, r);
+    }
+  });
+}
+
+// ---- SiLU(gate) * up ------------------------------------------------------------------------
+
+// SLEEF's Sleef_expf16_u10 (sleefsimdsp.c xexpf, AVX-512F helpers), which ATen's
+// Vectorized<float>::exp() calls: same operations, same order, same FMAs.
+inline __m512 sleef_expf16_u10(__m512 d) {
+  const float kR_LN2f = 1.442695040888963407359924681001892137426645954152985934135449406931f;
+  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(kR_LN2f)));
+  const __m512 qf = _mm512_cvtepi32_ps(q);
+  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
+  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+  u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+  // SLEEF's ldexp2, u * 2^(q >> 1) * 2^(q - (q >> 1)), multiplies by two powers of two:
+  // exact but for the final rounding into the denormal range. VSCALEFPS computes u * 2^q
+  // with that same single rounding, in one instruction.
+  u = _mm512_scalef_ps(u, qf);
+  u = _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u);
+  u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ),
+                         _mm512_set1_ps(INFINITY));
+  return u;
+}
+
+// silu(gate) as ATen's silu kernel computes it, rounded to T, times up, rounded to T. ATen's
+// vectorised loop takes two vectors at a time (64 bf16 or 32 float elements) and leaves the
+// rest of a row to its scalar loop, which calls the C library's expf instead of SLEEF's; this
+// kernel splits each row the same way. (For bfloat16 the two give the same result for every
+// input; for float32 they do not, and ATen can also split a row between threads.)
+template <typename T>
+void silu_mul_impl(const torch::Tensor& gu, torch::Tensor& out) {
+  const int64_t rows = gu.size(0), I = out.size(1), sg = gu.stride(0), so = out.stride(0);
+  const T* gp = reinterpret_cast<const T*>(gu.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  constexpr int64_t kStep = std::is_same_v<T, bf16> ? 64 : 32;
+  const int64_t nvec = I / kStep * kStep;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  at::parallel_for(0, rows, grain(3 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * sg;
+      const T* u = g + I;
+      T* o = op + r * so;
+      for (int64_t j = 0; j < nvec; j += 16) {
+        const __m512 x = load16(g + j);
+        const __m512 e = sleef_expf16_u10(_mm512_xor_ps(x, sign));
+        const __m512 silu = round_to<T>(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+        store16(o + j, _mm512_mul_ps(silu, load16(u + j)));
+      }
+      for (int64_t j = nvec; j < I; ++j) {
+        const float x = to_float(g[j]);
+        const float silu = round_to<T>(x / (1.0f + std::exp(-x)));
+        o[j] = from_float<T>(silu * to_float(u[j]));
+      }
+    }
+  });
+}
+
+// ---- rotary (rotate-half), in place ---------------------------------------------------------
+
+// x[t, h] = x * cos[t] + rotate_half(x) * sin[t], rounding each product and the sum to T.
+template <typename T>
+void rotary_impl(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  T* xp = reinterpret_cast<T*>(x.data_ptr());
+  const int64_t tokens = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  const T* cp = reinterpret_cast<const T*>(cos.data_ptr());
+  const T* sp = reinterpret_cast<const T*>(sin.data_ptr());
+  const int64_t sc = cos.stride(0), ss = sin.stride(0);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  at::parallel_for(0, tokens, grain(H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * sc;
+      const T* s = sp + t * ss;
+      for (int64_t j = 0; j < half; j += 16) {
+        const __mmask16 m = tail_mask(std::min<int64_t>(16, half - j));
+        const __m512 c0 = load16(c + j, m), c1 = load16(c + half + j, m);
+        const __m512 s0 = load16(s + j, m), s1 = load16(s + half + j, m);
+        for (int64_t h = 0; h < H; ++h) {
+          T* p = xp + t * st + h * sh;
+          const __m512 lo = load16(p + j, m), hi = load16(p + half + j, m);
+          // first half: lo * cos + (-hi) * sin; second half: hi * cos + lo * sin
+          const __m512 a0 = round_to<T>(_mm512_mul_ps(lo, c0));
+          const __m512 b0 = round_to<T>(_mm512_mul_ps(_mm512_xor_ps(hi, sign), s0));
+          const __m512 a1 = round_to<T>(_mm512_mul_ps(hi, c1));
+          const __m512 b1 = round_to<T>(_mm512_mul_ps(lo, s1));
+          store16(p + j, _mm512_add_ps(a0, b0), m);
+          store16(p + half + j, _mm512_add_ps(a1, b1), m);
+        }
+      }
+    }
+  });
+}
+
+// ---- entry points: each returns nothing (None in Python) for inputs it does not serve,
+// and the caller then runs the torch expression -----------------------------------------
+
+bool servable(std::initializer_list<const torch::Tensor*> ts) {
+  const auto dtype = (*ts.begin())->scalar_type();
+  if (dtype != torch::kBFloat16 && dtype != torch::kFloat32) return false;
+  const bool grad = at::GradMode::is_enabled();
+  for (const auto* t : ts) {
+    if (!t->device().is_cpu() || t->scalar_type() != dtype || t->dim() == 0 || t->stride(-1) != 1 ||
+        (grad && t->requires_grad()))
+      return false;
+  }
+  return true;
+}
+
+// x [..., D] as a [A, B, D] view, if there is one.
+std::optional<torch::Tensor> rows3(const torch::Tensor& x) {
+  if (x.dim() == 3) return x;
+  if (x.dim() == 2) return x.unsqueeze(0);
+  if (x.dim() == 1) return x.view({1, 1, x.size(0)});
+  if (x.is_contiguous()) return x.view({-1, x.size(-2), x.size(-1)});
+  return std::nullopt;
+}
+
+bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
+
+}  // namespace
+
+std::optional<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  if (!servable({&x, &w}) || w.dim() != 1 || w.size(0) != x.size(-1)) return std::nullopt;
+  const auto x3 = rows3(x);
+  if (!x3) return std::nullopt;
+  auto out = torch::empty(x3->sizes(), x.options());
+  if (is_bf16(x)) rms_norm_impl<bf16>(*x3, w, out, float(eps));
+  else rms_norm_impl<float>(*x3, w, out, float(eps));
+  return out.view(x.sizes());
+}
+
+std::optional<std::tuple<torch::Tensor, torch::Tensor>> add_rms_norm(torch::Tensor x,
+                                                                     torch::Tensor res,
+                                                                     torch::Tensor w, double eps) {
+  if (!servable({&x, &res, &w}) || x.sizes() != res.sizes() || w.dim() != 1 ||
+      w.size(0) != x.size(-1))
+    return std::nullopt;
+  const auto x3 = rows3(x), r3 = rows3(res);
+  if (!x3 || !r3) return std::nullopt;
+  auto out = torch::empty(x3->sizes(), x.options());
+  auto new_res = torch::empty(x3->sizes(), x.options());
+  if (is_bf16(x)) add_rms_norm_impl<bf16>(*x3, *r3, w, out, new_res, float(eps));
+  else add_rms_norm_impl<float>(*x3, *r3, w, out, new_res, float(eps));
+  return std::make_tuple(out.view(x.sizes()), new_res.view(x.sizes()));
+}
+
+std::optional<torch::Tensor> silu_mul(torch::Tensor gu) {
+  if (!servable({&gu}) || gu.dim() != 2 || gu.size(1) % 2 != 0) return std::nullopt;
+  auto out = torch::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  if (is_bf16(gu)) silu_mul_impl<bf16>(gu, out);
+  else silu_mul_impl<float>(gu, out);
+  return out;
+}
+
+std::optional<torch::Tensor> rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  if (!servable({&x, &cos, &sin}) || x.dim() != 3 || x.size(2) % 2 != 0 ||
+      at::has_internal_overlap(x) == at::MemOverlap::Yes)  // e.g. an expanded x
+    return std::nullopt;
+  for (const auto* t : {&cos, &sin})
+    if (t->dim() != 2 || t->size(0) != x.size(0) || t->size(1) != x.size(2)) return std::nullopt;
+  if (is_bf16(x)) rotary_impl<bf16>(x, cos, sin);
+  else rotary_impl<float>(x, cos, sin);
+  return x;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("silu_mul", &silu_mul);
+  m.def("rotary_", &rotary_);
+}
