@@ -32,9 +32,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	$(VENV)/bin/clang-format --dry-run --Werror kvray/csrc/*.cpp
+	$(VENV)/bin/mypy
 
 bench-scheduler: $(STAMP)
 	$(VENV)/bin/kvray bench scheduler

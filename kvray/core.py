@@ -11,6 +11,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,6 +22,25 @@ if TYPE_CHECKING:
 
 def div_ceil(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def table_width(max_seq_len: int, page_size: int) -> int:
+    """Positions per page_table / token_pool row: whole pages covering max_seq_len."""
+    return div_ceil(max_seq_len, page_size) * page_size
+
+
+def flat_positions(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Every position of requests that compute `lens[i]` positions from `starts[i]`,
+    concatenated in request order (int64)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lens = np.asarray(lens, dtype=np.int64)
+    first = np.cumsum(lens) - lens
+    positions: np.ndarray = (
+        np.arange(int(lens.sum()), dtype=np.int64)
+        - np.repeat(first, lens)
+        + np.repeat(starts, lens)
+    )
+    return positions
 
 
 @dataclass(frozen=True)
@@ -212,6 +232,38 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return self.batch_size == 0
+
+    # Derived once, where the plan is consumed (never before it is sent: they would travel).
+    @cached_property
+    def positions(self) -> np.ndarray:
+        """int64 [num_tokens]: the position of each computed token (the order of out_loc)."""
+        return flat_positions(self.starts, self.extend_lens)
+
+    @cached_property
+    def token_rows(self) -> np.ndarray:
+        """int64 [num_tokens]: the row of each computed token."""
+        return np.repeat(self.rows.astype(np.int64), self.extend_lens)
+
+    @property
+    def fill_positions(self) -> np.ndarray:
+        """int64 [len(fill_ids)]: where each of `fill_ids` goes in its row."""
+        return flat_positions(self.starts, self.fill_lens)
+
+    @property
+    def fill_rows(self) -> np.ndarray:
+        return np.repeat(self.rows.astype(np.int64), self.fill_lens)
+
+    @property
+    def sampled_rows(self) -> np.ndarray:
+        """The rows that sample a token this step, in batch order."""
+        rows: np.ndarray = self.rows[self.sample]
+        return rows
+
+    @property
+    def sampled_positions(self) -> np.ndarray:
+        """Where each sampled token goes in its row (the position after the last computed)."""
+        ends: np.ndarray = (self.starts + self.extend_lens)[self.sample]
+        return ends
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,13 @@ from typing import Any
 import pytest
 import ray
 import torch
+from hash_chain import HashChainExecutor
 
 from kvray.bench.dispatch import write_tiny_llama
 from kvray.cluster.llm import LLM, chat_prompt_ids
 from kvray.config import SchedulerConfig
 from kvray.core import SamplingParams
 from kvray.scheduler import Scheduler
-from kvray.scheduler.sim import HashChainExecutor
 
 VOCAB = 301
 MAX_NEW = 12

@@ -7,13 +7,13 @@ import random
 
 import numpy as np
 import pytest
+from hash_chain import HashChainExecutor, reference_tokens
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvray.config import SchedulerConfig
 from kvray.core import FinishReason, Req, RequestRejected, SamplingParams
 from kvray.scheduler import Scheduler
-from kvray.scheduler.sim import HashChainExecutor, reference_tokens
 
 VOCAB = 40
 EOS = 0

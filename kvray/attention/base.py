@@ -13,9 +13,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from kvray.core import flat_positions
 from kvray.kvcache.mha_pool import MHAKVCache
 
 
@@ -53,14 +55,17 @@ class AttnMetadata:
         cls,
         page_table: torch.Tensor,
         rows: Sequence[int] | torch.Tensor,
-        starts: Sequence[int] | torch.Tensor,
-        extend_lens: Sequence[int] | torch.Tensor,
+        starts: Sequence[int] | np.ndarray | torch.Tensor,
+        extend_lens: Sequence[int] | np.ndarray | torch.Tensor,
         pad_slot: int = 0,
+        positions: torch.Tensor | None = None,
     ) -> AttnMetadata:
         """Metadata for requests whose slots live in rows `rows` of `page_table` (one row per
         request, raw token slots per position, e.g. the worker's page-table mirror). Request
         b computes positions `starts[b] : starts[b] + extend_lens[b]`; their slots must
-        already be in the table, and `out_loc` is read from it (one home for the fact)."""
+        already be in the table, and `out_loc` is read from it (one home for the fact).
+        `positions` (those positions, flat, on the table's device) may be passed where the
+        caller has them already (`StepPlan.positions`)."""
         device = page_table.device
         starts_t = torch.as_tensor(starts, dtype=torch.int64).cpu()
         lens_q = torch.as_tensor(extend_lens, dtype=torch.int64).cpu()
@@ -74,11 +79,12 @@ class AttnMetadata:
         past_end = torch.arange(max_k, device=device)[None, :] >= lens_k_dev[:, None]
         table = table.masked_fill(past_end, pad_slot)
 
-        batch_idx = torch.repeat_interleave(torch.arange(len(lens_q)), lens_q)
+        batch_idx = torch.repeat_interleave(torch.arange(len(lens_q)), lens_q).to(device)
         cu_q = torch.zeros(len(lens_q) + 1, dtype=torch.int64)
         torch.cumsum(lens_q, 0, out=cu_q[1:])
-        positions = torch.arange(int(cu_q[-1])) - cu_q[batch_idx] + starts_t[batch_idx]
-        batch_idx, positions = batch_idx.to(device), positions.to(device)
+        if positions is None:
+            positions = torch.from_numpy(flat_positions(starts_t.numpy(), lens_q.numpy()))
+        positions = positions.to(device)
         return cls(
             positions=positions,
             out_loc=table[batch_idx, positions],

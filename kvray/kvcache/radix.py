@@ -42,6 +42,13 @@ class RadixTreeNode:
         return len(self.key)
 
 
+def _up_to_root(node: RadixTreeNode) -> Iterator[RadixTreeNode]:
+    """`node` and its ancestors, the root (the one node without a parent) excluded."""
+    while node.parent is not None:
+        yield node
+        node = node.parent
+
+
 class RadixCacheHandle(BaseCacheHandle):
     __slots__ = ("cached_len", "node")
 
@@ -50,11 +57,7 @@ class RadixCacheHandle(BaseCacheHandle):
         self.node = node
 
     def get_matched_indices(self) -> np.ndarray:
-        parts = []
-        node = self.node
-        while node.parent is not None:
-            parts.append(node.value)
-            node = node.parent
+        parts = [node.value for node in _up_to_root(self.node)]
         if not parts:
             return _EMPTY
         parts.reverse()
@@ -143,22 +146,19 @@ class RadixPrefixCache(BasePrefixCache):
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         assert isinstance(handle, RadixCacheHandle)
-        node = handle.node
         if unlock:
-            while node is not self.root:
+            for node in _up_to_root(handle.node):
                 assert node.ref_count > 0, "unlock of an unlocked radix node"
                 node.ref_count -= 1
                 if node.ref_count == 0:
                     self._protected -= len(node)
                     self._evictable += len(node)
-                node = node.parent
         else:
-            while node is not self.root:
+            for node in _up_to_root(handle.node):
                 if node.ref_count == 0:
                     self._evictable -= len(node)
                     self._protected += len(node)
                 node.ref_count += 1
-                node = node.parent
 
     def evict(self, size: int) -> np.ndarray:
         if size <= 0:

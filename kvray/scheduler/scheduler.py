@@ -27,6 +27,7 @@ from kvray.core import (
     StepPlan,
     StepResult,
     TokenEvent,
+    flat_positions,
 )
 from kvray.kvcache import create_prefix_cache
 from kvray.scheduler.cache import CacheManager
@@ -233,11 +234,7 @@ class Scheduler:
         rows = np.array([r.table_idx for r in reqs], dtype=np.int32)
         starts = np.array([r.cached_len for r in reqs], dtype=np.int32)
         ext = np.array([n for _, n, _ in batch], dtype=np.int32)
-        num_tokens = int(ext.sum())
-        rows_rep = np.repeat(rows, ext)
-        offsets = np.arange(num_tokens, dtype=np.int32) - np.repeat(np.cumsum(ext) - ext, ext)
-        positions = np.repeat(starts, ext) + offsets
-        out_loc = self.table.page_table[rows_rep, positions]
+        out_loc = self.table.page_table[np.repeat(rows, ext), flat_positions(starts, ext)]
 
         sample = np.zeros(len(reqs), dtype=np.bool_)
         fill_lens = np.zeros(len(reqs), dtype=np.int32)

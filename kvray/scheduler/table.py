@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvray.core import TableWrite
+from kvray.core import TableWrite, table_width
 
 
 class TableManager:
@@ -16,7 +16,7 @@ class TableManager:
     """
 
     def __init__(self, max_running_reqs: int, max_seq_len: int, page_size: int) -> None:
-        width = -(-max_seq_len // page_size) * page_size  # whole pages per row
+        width = table_width(max_seq_len, page_size)
         self.page_table = np.zeros((max_running_reqs, width), dtype=np.int32)
         self.token_pool = np.zeros((max_running_reqs, width), dtype=np.int32)
         self.max_running_reqs = max_running_reqs

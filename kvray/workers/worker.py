@@ -1,10 +1,9 @@
 """ModelWorker: one TP rank's model shard, KV pool and attention backend, executing plans.
 
-The worker mirrors the scheduler's page_table and token_pool. It applies each StepPlan's
-deltas in the order the plan documents (freed rows, admissions, table writes, then the
-batch's fill ids and out_loc), runs the model over the step's tokens, and samples. Every
-rank computes the same sampled tokens (same logits after the all-gather, same seeds), and
-writes them into its own token pool, so the next decode step needs no input ids.
+The worker mirrors the scheduler's page_table and token_pool (`PlanMirror`), applies each
+StepPlan to it, runs the model over the step's tokens, and samples. Every rank computes the
+same sampled tokens (same logits after the all-gather, same seeds), and writes them into
+its own token pool, so the next decode step needs no input ids.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ import torch
 
 from kvray.attention import create_attention_backend
 from kvray.attention.base import AttnMetadata
-from kvray.core import SamplingParams, StepPlan, StepResult, div_ceil
+from kvray.core import StepPlan, StepResult, table_width
 from kvray.kvcache import MHAKVCache, create_kvcache_pool
 from kvray.models import TPGroup, load_model
+from kvray.workers.mirror import PlanMirror
 from kvray.workers.sampler import sample_device
 
 
@@ -38,19 +38,8 @@ class WorkerSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-
-def _host(a: np.ndarray) -> torch.Tensor:
-    """int64 CPU tensor of a plan array (copied: plans arrive as read-only buffers)."""
-    return torch.tensor(a, dtype=torch.int64)
-
-
-def _flat_positions(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """For requests computing `lens[b]` positions from `starts[b]`: every position, flat."""
-    total = int(lens.sum())
-    first = torch.cumsum(lens, 0) - lens
-    return torch.arange(total) - first.repeat_interleave(lens) + starts.repeat_interleave(lens)
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
 
 class ModelWorker:
@@ -77,66 +66,48 @@ class ModelWorker:
             cfg.head_dim,
             self.model.attn_scale,
         )
-        width = div_ceil(spec.max_seq_len, spec.page_size) * spec.page_size
-        shape = (spec.max_running_reqs, width)
-        self.page_table = torch.zeros(shape, dtype=torch.int64, device=self.device)
-        self.token_pool = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        width = table_width(spec.max_seq_len, spec.page_size)
+        self.mirror = PlanMirror(spec.max_running_reqs, width, self.device)
         self.dummy_slot = spec.num_pages * spec.page_size  # first slot of the dummy page
-        self._sampling: dict[int, tuple[SamplingParams, int]] = {}  # row -> (params, seed)
 
     @property
     def kv_buffer_shape(self) -> tuple[int, ...]:
         return self.kvcache.buffer_shape
 
-    def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return _host(a).to(self.device)
-
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step. Returns the sampled tokens (every rank computes them; the
         caller keeps rank 0's), or None for a plan with nothing to compute."""
-        for row in plan.freed_rows:
-            self._sampling.pop(row, None)
-        for adm in plan.admitted:
-            self._sampling[adm.row] = (adm.sampling, adm.seed)
-        for w in plan.table_writes:
-            self.page_table[w.row, w.start : w.start + len(w.slots)] = self._tensor(w.slots)
-        if plan.is_empty:
+        batch = self.mirror.apply(plan)
+        if batch is None:
             return None
-
-        rows, starts, lens = _host(plan.rows), _host(plan.starts), _host(plan.extend_lens)
-        if plan.fill_ids.size:
-            fill_lens = _host(plan.fill_lens)
-            f_rows = rows.repeat_interleave(fill_lens).to(self.device)
-            f_pos = _flat_positions(starts, fill_lens).to(self.device)
-            self.token_pool[f_rows, f_pos] = self._tensor(plan.fill_ids)
-        t_rows = rows.repeat_interleave(lens).to(self.device)
-        positions = _flat_positions(starts, lens).to(self.device)
-        self.page_table[t_rows, positions] = self._tensor(plan.out_loc)
-
         meta = AttnMetadata.build(
-            self.page_table, rows.to(self.device), starts, lens, pad_slot=self.dummy_slot
+            self.mirror.page_table,
+            batch.rows,
+            plan.starts,
+            plan.extend_lens,
+            pad_slot=self.dummy_slot,
+            positions=batch.positions,
         )
-        input_ids = self.token_pool[t_rows, positions]
         sample_mask = torch.tensor(plan.sample, dtype=torch.bool)
         logits_indices = (meta.cu_seqlens_q[1:].long() - 1)[sample_mask.to(self.device)]
         self.attn.prepare(meta)
-        logits = self.model(input_ids, positions, self.attn, logits_indices)
+        logits = self.model(
+            self.mirror.input_ids(batch), batch.positions, self.attn, logits_indices
+        )
         if logits.shape[0] == 0:
             return StepResult(plan.step_id, np.zeros(0, dtype=np.int32))
 
-        sampled_rows = plan.rows[plan.sample]
-        next_pos = (plan.starts + plan.extend_lens)[plan.sample]
-        params = [self._sampling[int(r)] for r in sampled_rows]
+        params = self.mirror.sampling_of(plan)
         top_k = max((p.logprobs or 0) for p, _ in params)
         out = sample_device(
             logits,
             [p for p, _ in params],
             [s for _, s in params],
-            next_pos.tolist(),
+            plan.sampled_positions.tolist(),
             top_k,
             with_logprobs=any(p.logprobs is not None for p, _ in params),
         )
-        self.token_pool[self._tensor(sampled_rows), self._tensor(next_pos)] = out.token_ids
+        self.mirror.record_sampled(plan, out.token_ids)
         host = out.numpy()
         return StepResult(
             plan.step_id, host.token_ids, host.logprobs, host.top_ids, host.top_logprobs
