@@ -10,22 +10,36 @@ from kvray.attention import (
     ATTENTION_BACKENDS,
     AttnMetadata,
     backend_names,
+    cpu_decode,
     create_attention_backend,
     resolve_backend_name,
 )
 
+CPU_KERNEL = cpu_decode.available()
 
+
+@pytest.mark.parametrize(
+    ("backend_name", "head_dim"),
+    [
+        ("torch", HEAD_DIM),
+        pytest.param(
+            "cpu", 16, marks=pytest.mark.skipif(not CPU_KERNEL, reason="no AVX-512 kernel")
+        ),
+    ],
+)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 2), (2, 2), (4, 1)])
-def test_mixed_batch_matches_dense(page_size: int, q_heads: int, kv_heads: int) -> None:
+def test_mixed_batch_matches_dense(
+    page_size: int, q_heads: int, kv_heads: int, backend_name: str, head_dim: int
+) -> None:
     torch.manual_seed(page_size * 10 + q_heads + kv_heads)
     dtype = torch.float32
-    pool = Pool(page_size, kv_heads, dtype, seed=page_size)
-    backend = create_attention_backend("torch", pool.cache, q_heads, HEAD_DIM, HEAD_DIM**-0.5)
+    pool = Pool(page_size, kv_heads, dtype, seed=page_size, head_dim=head_dim)
+    backend = create_attention_backend(backend_name, pool.cache, q_heads, head_dim, head_dim**-0.5)
     total = [c + n for c, n in MIXED]
-    q_all = [torch.randn(n, q_heads, HEAD_DIM, dtype=dtype) for n in total]
-    k_all = [torch.randn(n, kv_heads, HEAD_DIM, dtype=dtype) for n in total]
-    v_all = [torch.randn(n, kv_heads, HEAD_DIM, dtype=dtype) for n in total]
+    q_all = [torch.randn(n, q_heads, head_dim, dtype=dtype) for n in total]
+    k_all = [torch.randn(n, kv_heads, head_dim, dtype=dtype) for n in total]
+    v_all = [torch.randn(n, kv_heads, head_dim, dtype=dtype) for n in total]
     for row, n in enumerate(total):
         pool.allocate(row, n)
     for layer in range(2):  # layers share slots but not storage
@@ -83,9 +97,13 @@ def test_metadata_build() -> None:
 
 def test_registry_and_auto() -> None:
     pool = Pool(16, 2, torch.float32, seed=0)
-    assert set(ATTENTION_BACKENDS.names()) == {"torch", "flash_attn", "triton"}
+    assert set(ATTENTION_BACKENDS.names()) == {"cpu", "torch", "flash_attn", "triton"}
     assert backend_names()[0] == "auto"
-    assert resolve_backend_name("auto", pool.cache) == "torch"  # CPU pool
+    # A CPU pool: the C++ decode kernel where it serves the head size, else plain torch.
+    assert resolve_backend_name("auto", pool.cache, 8) == "torch"
+    assert resolve_backend_name("auto", pool.cache, 64) == ("cpu" if CPU_KERNEL else "torch")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        create_attention_backend("cpu", pool.cache, 4, HEAD_DIM, 1.0)
     with pytest.raises(ValueError, match="unknown attention backend"):
         create_attention_backend("nope", pool.cache, 4, HEAD_DIM, 1.0)
     # No flash-attn here, and page_size 16 would be refused anyway.

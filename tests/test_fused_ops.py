@@ -217,7 +217,7 @@ def _prefill_then_decode(model: LlamaForCausalLM) -> list[torch.Tensor]:
         tp_size=1,
     )
     attn = create_attention_backend(
-        "torch", cache, model.num_q_heads_local, cfg.head_dim, model.attn_scale
+        "auto", cache, model.num_q_heads_local, cfg.head_dim, model.attn_scale
     )
     table = torch.arange(num_pages * page_size, dtype=torch.int32).reshape(2, -1)
     logits = []

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvray.kvcache import (
-    SUPPORTED_CACHE_MANAGER,
+    PREFIX_CACHES,
     MHAKVCache,
     create_kvcache_pool,
     create_prefix_cache,
@@ -85,7 +85,7 @@ def test_pool_replicates_kv_heads_and_adds_dummy_page():
 
 
 def test_policies_are_registered_by_name():
-    assert SUPPORTED_CACHE_MANAGER.names() == ["naive", "radix"]
+    assert PREFIX_CACHES.names() == ["naive", "radix"]
     with pytest.raises(ValueError, match="unknown prefix cache"):
         create_prefix_cache("lru", 4)
 

@@ -95,7 +95,7 @@ class Runner:
             tp_size=model.tp.size,
         )
         self.attn = create_attention_backend(
-            "torch", self.cache, model.num_q_heads_local, cfg.head_dim, model.attn_scale
+            "auto", self.cache, model.num_q_heads_local, cfg.head_dim, model.attn_scale
         )
         gen = torch.Generator().manual_seed(seed)
         self.free_pages = torch.randperm(num_pages, generator=gen).tolist()

@@ -57,7 +57,7 @@ def test_loaded_bf16_model_packs_and_gives_the_same_logits(tmp_path, monkeypatch
             tp_size=1,
         )
         attn = create_attention_backend(
-            "torch", cache, model.num_q_heads_local, cfg.head_dim, model.attn_scale
+            "auto", cache, model.num_q_heads_local, cfg.head_dim, model.attn_scale
         )
         table = torch.arange(64).reshape(2, 32)
         ids = [list(range(3, 14)), list(range(40, 47))]

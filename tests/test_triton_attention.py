@@ -101,7 +101,7 @@ def test_reads_only_each_requests_context(page_size: int) -> None:
 
 def test_backend_choice_and_guards(monkeypatch) -> None:
     pool = Pool(16, 2, torch.float32, seed=0)
-    assert resolve_backend_name("auto", pool.cache) == "torch"  # a CPU pool
+    assert resolve_backend_name("auto", pool.cache, HEAD_DIM) == "torch"  # a CPU pool
     # An H200 has 132 multiprocessors: a lone decode is cut into the most pieces, a batch
     # that fills the device into none.
     splits = [decode_splits(n, 8, 132) for n in (1, 2, 4, 16, 64, 256)]

@@ -22,6 +22,15 @@ def _create_torch(
     return TorchAttentionBackend(kvcache, num_q_heads_local, head_dim, scale)
 
 
+@ATTENTION_BACKENDS.register("cpu")
+def _create_cpu(
+    kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
+) -> AttentionBackend:
+    from kvray.attention.cpu_backend import CpuAttentionBackend
+
+    return CpuAttentionBackend(kvcache, num_q_heads_local, head_dim, scale)
+
+
 @ATTENTION_BACKENDS.register("flash_attn")
 def _create_flash_attn(
     kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
@@ -40,14 +49,17 @@ def _create_triton(
     return TritonAttentionBackend(kvcache, num_q_heads_local, head_dim, scale)
 
 
-def resolve_backend_name(name: str, kvcache: MHAKVCache) -> str:
+def resolve_backend_name(name: str, kvcache: MHAKVCache, head_dim: int) -> str:
     """Resolve "auto". On CUDA: "flash_attn" when it is installed and the page size suits
     its paged kernel (a multiple of 256), else "triton" (else "torch" if Triton is
-    missing). Elsewhere: "torch". Other names pass through unchanged."""
+    missing). On CPUs: "cpu" where its decode kernel serves the pool, else "torch". Other
+    names pass through unchanged."""
     if name != "auto":
         return name
     if kvcache.device.type != "cuda":
-        return "torch"
+        from kvray.attention import cpu_backend
+
+        return "cpu" if cpu_backend.supports(kvcache, head_dim) else "torch"
     if importlib.util.find_spec("flash_attn") is not None:
         from kvray.attention.flash_attn_backend import PAGE_MULTIPLE
 
@@ -64,7 +76,7 @@ def backend_names() -> list[str]:
 def create_attention_backend(
     name: str, kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
 ) -> AttentionBackend:
-    factory = ATTENTION_BACKENDS.get(resolve_backend_name(name, kvcache))
+    factory = ATTENTION_BACKENDS.get(resolve_backend_name(name, kvcache, head_dim))
     return factory(kvcache, num_q_heads_local, head_dim, scale)
 
 

@@ -1,10 +1,10 @@
 """The "torch" backend: paged attention from plain torch ops (any device, any page size).
 
 Per step, requests are split into decodes (one query token) and extends (prefill, chunked
-prefill, prefix-cached prefill). Decodes run in the CPU kernel where it can, else as ONE
-padded SDPA call: queries gathered into [B, 1, Hq, D], keys/values gathered from the pool
-through the page table into [B, max_k, Hkv, D], and a boolean mask for each request's
-length. Each extend runs as its own unpadded SDPA call: causal over this step's own K/V
+prefill, prefix-cached prefill). Decodes run as ONE padded SDPA call: queries [B, Hq, 1, D],
+keys/values gathered from the pool through the page table into [B, Hkv, max_k, D], and a
+mask of each request's length (the "cpu" backend, a subclass, runs them in a C++ kernel
+instead). Each extend runs as its own unpadded SDPA call: causal over this step's own K/V
 for a fresh prompt, or over its context read from the pool with a bottom-right causal
 mask when a prefix or an earlier chunk is already cached.
 """
@@ -17,52 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvray.attention import cpu_decode
 from kvray.attention.base import AttentionBackend, AttnMetadata
 
 
 @dataclass(frozen=True)
-class _Group:
-    q_index: torch.Tensor  # int64 [B, Lq]: row of q for each (request, query offset)
-    padded_rows: torch.Tensor  # int64 [N]: rows of the flattened [B * Lq] output that are real
-    tokens: torch.Tensor  # int64 [N]: where those rows go in the flat [T] output
-    slots: torch.Tensor  # int64 [B, Lk]: KV slots of key positions 0..Lk-1
-    mask: torch.Tensor  # bool [B, 1, Lq, Lk]: True where the query may see the key
+class Decodes:
+    """The step's decodes, attended together."""
 
-
-def _make_group(meta: AttnMetadata, reqs: torch.Tensor) -> _Group:
-    lens_q = meta.seq_lens_q[reqs].long()
-    lens_k = meta.seq_lens_k[reqs].long()
-    first = meta.cu_seqlens_q[reqs].long()
-    max_q, max_k = int(lens_q.max()), int(lens_k.max())
-    device = lens_q.device
-    off = torch.arange(max_q, device=device)[None, :]
-    # Padding queries repeat the request's last token: their rows are computed, never used.
-    q_index = first[:, None] + torch.minimum(off, lens_q[:, None] - 1)
-    padded_rows = (off < lens_q[:, None]).flatten().nonzero().squeeze(1)
-    q_pos = (lens_k - lens_q)[:, None] + off  # [B, Lq]
-    k_pos = torch.arange(max_k, device=device)
-    # Causal and in-range. A padding query sits past its request's last position, so it
-    # still sees key 0: no row is fully masked (which would give NaN).
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
-        k_pos[None, None, :] < lens_k[:, None, None]
-    )
-    return _Group(
-        q_index=q_index,
-        padded_rows=padded_rows,
-        tokens=q_index.flatten()[padded_rows],
-        slots=meta.page_table[reqs, :max_k],
-        mask=mask.unsqueeze(1),
-    )
-
-
-@dataclass(frozen=True)
-class _DecodeGroup:
-    """Decodes served by the CPU kernel, which reads K/V in place through the page table."""
-
-    tokens: torch.Tensor  # int64 [Bd]: row of each request's one query in q
-    slots: torch.Tensor  # int64 [Bd, Lk], contiguous
-    seq_lens: torch.Tensor  # int64 [Bd]
+    tokens: Tensor  # int64 [Bd]: the row of each request's one query in q
+    slots: Tensor  # int64 [Bd, max_k]: KV slots of each request's keys (padded past its length)
+    seq_lens: Tensor  # int64 [Bd]: keys per request
+    mask: Tensor | None = None  # bool [Bd, 1, 1, max_k]: key < seq_len (the SDPA path's)
 
 
 @dataclass(frozen=True)
@@ -81,31 +46,10 @@ class _Extend:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        kv = self.kvcache
-        self._use_kernel = (
-            kv.device.type == "cpu"
-            and kv.dtype in (torch.bfloat16, torch.float32)
-            and self.head_dim % 16 == 0
-            and cpu_decode.available()
-        )
-
     def prepare(self, meta: AttnMetadata) -> None:
         super().prepare(meta)
         decodes, extends = meta.decodes_and_extends()
-        self._decode: _DecodeGroup | None = None
-        self._groups = []
-        if decodes.numel() > 0:
-            if self._use_kernel:
-                lens = meta.seq_lens_k[decodes].long()
-                self._decode = _DecodeGroup(
-                    tokens=meta.cu_seqlens_q[decodes].long(),
-                    slots=meta.page_table[decodes, : int(lens.max())].contiguous(),
-                    seq_lens=lens,
-                )
-            else:
-                self._groups.append(_make_group(meta, decodes))
+        self._decodes = self.prepare_decodes(meta, decodes) if decodes.numel() else None
         self._extends = []
         if extends.numel() > 0:
             starts = meta.cu_seqlens_q[extends].tolist()
@@ -121,25 +65,35 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = k_pos[None, :] <= q_pos[:, None]
                 self._extends.append(_Extend(start, start + lq, slots, mask))
 
+    def prepare_decodes(self, meta: AttnMetadata, decodes: Tensor) -> Decodes:
+        lens = meta.seq_lens_k[decodes].long()
+        max_k = int(lens.max())
+        in_range = torch.arange(max_k, device=lens.device)[None, :] < lens[:, None]
+        return Decodes(
+            tokens=meta.cu_seqlens_q[decodes].long(),
+            slots=meta.page_table[decodes, :max_k],
+            seq_lens=lens,
+            mask=in_range[:, None, None, :],
+        )
+
+    def attend_decodes(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, d: Decodes) -> Tensor:
+        """[Bd, Hq, D]: each decode's query over its keys."""
+        o = F.scaled_dot_product_attention(
+            q[d.tokens].unsqueeze(2),  # [Bd, Hq, 1, D]
+            k_pool[d.slots].to(q.dtype).transpose(1, 2),  # [Bd, Hkv, max_k, D]
+            v_pool[d.slots].to(q.dtype).transpose(1, 2),
+            attn_mask=d.mask,
+            scale=self.scale,
+            enable_gqa=self.num_q_heads != self.kvcache.local_kv_heads,
+        )
+        return o.squeeze(2)
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, layer_id: int, meta: AttnMetadata) -> Tensor:
         k_pool, v_pool = self.kvcache.k_flat(layer_id), self.kvcache.v_flat(layer_id)
         gqa = self.num_q_heads != self.kvcache.local_kv_heads
         out = q.new_empty(q.shape)
-        d = self._decode
-        if d is not None:
-            out[d.tokens] = cpu_decode.paged_decode(
-                q[d.tokens], k_pool, v_pool, d.slots, d.seq_lens, self.scale
-            )
-        for g in self._groups:
-            o = F.scaled_dot_product_attention(
-                q[g.q_index].transpose(1, 2),  # [B, Hq, Lq, D]
-                k_pool[g.slots].to(q.dtype).transpose(1, 2),  # [B, Hkv, Lk, D]
-                v_pool[g.slots].to(q.dtype).transpose(1, 2),
-                attn_mask=g.mask,
-                scale=self.scale,
-                enable_gqa=gqa,
-            )
-            out[g.tokens] = o.transpose(1, 2).flatten(0, 1)[g.padded_rows]
+        if self._decodes is not None:
+            out[self._decodes.tokens] = self.attend_decodes(q, k_pool, v_pool, self._decodes)
         for e in self._extends:
             if e.slots is None:
                 k_e, v_e = k[e.start : e.end], v[e.start : e.end]

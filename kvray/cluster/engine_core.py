@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvray.cluster.executor import Executor, WorkerFailure
 from kvray.cluster.spec import EngineSpec
 from kvray.core import FinishReason, RequestRejected, SamplingParams, StepPlan, TokenEvent
@@ -153,12 +155,16 @@ class EngineCore:
         short_len = min(16, long_len)
         if short_len <= 0:
             return  # a pool too small to hold even a short prompt: nothing to warm
-        lo, span = 100, max(1, self.spec.vocab_size - 200)  # clear of special tokens
+        # Arbitrary distinct prompts (seeded), with ids clear of the special tokens at
+        # either end of a vocabulary.
+        rng = np.random.default_rng(0)
+        vocab = self.spec.vocab_size
+        lo, hi = (100, vocab - 100) if vocab > 200 else (0, vocab)
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        prompts = [[lo + (i * 7919) % span for i in range(long_len)]]
         room = (capacity - long_len - max_tokens) // (short_len + max_tokens + cfg.page_size)
-        for j in range(max(0, min(num_decodes, room, cfg.max_running_reqs - 1))):
-            prompts.append([lo + (j * 104729 + i * 31) % span for i in range(short_len)])
+        num_short = max(0, min(num_decodes, room, cfg.max_running_reqs - 1))
+        lengths = [long_len] + [short_len] * num_short
+        prompts = [rng.integers(lo, hi, n).tolist() for n in lengths]
         for ids in prompts:
             self.add_request(ids, sampling)
         while self.has_work:

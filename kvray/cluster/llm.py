@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvray.cluster.client import EngineClient
 from kvray.cluster.engine_core import EngineFailed
 from kvray.cluster.local import LocalEngine
 from kvray.cluster.spec import EngineSpec
@@ -20,9 +21,6 @@ from kvray.core import (
 from kvray.detokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
-
-if TYPE_CHECKING:
-    from kvray.cluster.engine import Engine
 
 
 @dataclass
@@ -101,12 +99,12 @@ class LLM:
             seed=seed,
             device=device,
         )
-        self.engine: LocalEngine | Engine
+        self.engine: EngineClient
         if use_ray or (use_ray is None and tp_size > 1):
             from kvray.cluster.engine import Engine
 
-            self.engine = Engine(self.config, compiled=compiled, address=address, progress=progress)
-            self.spec = self.engine.spec
+            ray_engine = Engine(self.config, compiled=compiled, address=address, progress=progress)
+            self.engine, self.spec = ray_engine, ray_engine.spec
         else:
             self.spec = EngineSpec.resolve(self.config, progress=progress)
             self.engine = LocalEngine(self.config, self.spec)
@@ -119,8 +117,7 @@ class LLM:
         self.shutdown()
 
     def shutdown(self) -> None:
-        if not isinstance(self.engine, LocalEngine):
-            self.engine.shutdown()
+        self.engine.shutdown()
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -128,16 +125,6 @@ class LLM:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
             return list(self.tokenizer(prompt)["input_ids"])
         return list(prompt)
-
-    def _submit(self, ids: list[int], sp: SamplingParams) -> int:
-        if isinstance(self.engine, LocalEngine):
-            return self.engine.add_request(ids, sp)
-        return self.engine.submit(ids, sp)
-
-    def _events(self, live: set[int]) -> list[TokenEvent]:
-        if isinstance(self.engine, LocalEngine):
-            return self.engine.step()
-        return self.engine.poll(sorted(live))
 
     def generate(
         self,
@@ -168,7 +155,7 @@ class LLM:
         params_of: dict[int, SamplingParams] = {}
         try:
             for ids, sp in zip(prompt_ids, params, strict=True):
-                rid = self._submit(ids, sp)
+                rid = self.engine.submit(ids, sp)
                 order.append(rid)
                 live.add(rid)
                 outputs[rid] = CompletionOutput(prompt_token_ids=ids)
@@ -179,7 +166,7 @@ class LLM:
                     else IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
                 )
             while live:
-                for ev in self._events(live):
+                for ev in self.engine.poll(sorted(live)):
                     if ev.rid not in live:
                         continue
                     self._apply(ev, outputs[ev.rid], detoks[ev.rid], params_of[ev.rid])

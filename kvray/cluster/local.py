@@ -7,17 +7,21 @@ scheduling and worker logic the cluster runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvray.cluster.engine_core import EngineCore
 from kvray.cluster.executor import LocalExecutor
 from kvray.cluster.spec import EngineSpec
 from kvray.config import EngineConfig
+from kvray.core import SamplingParams, TokenEvent
 from kvray.workers.worker import ModelWorker
 
 
 class LocalEngine(EngineCore):
-    """`device` overrides `config.device` ("auto": CUDA when this process sees a GPU)."""
+    """`device` overrides `config.device` ("auto": CUDA when this process sees a GPU).
+    An `EngineClient`: `poll` computes the next step here."""
 
     def __init__(
         self, config: EngineConfig, spec: EngineSpec | None = None, device: str | None = None
@@ -35,3 +39,9 @@ class LocalEngine(EngineCore):
     def worker(self) -> ModelWorker:
         assert isinstance(self.executor, LocalExecutor)
         return self.executor.worker
+
+    def submit(self, input_ids: Sequence[int], sampling: SamplingParams) -> int:
+        return self.add_request(input_ids, sampling)
+
+    def poll(self, rids: Sequence[int], timeout_s: float = 1.0) -> list[TokenEvent]:
+        return self.step()

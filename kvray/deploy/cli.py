@@ -6,14 +6,14 @@ import argparse
 import sys
 
 from kvray.attention import backend_names
-from kvray.kvcache import SUPPORTED_CACHE_MANAGER
+from kvray.kvcache import PREFIX_CACHES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--cache", default="radix", choices=SUPPORTED_CACHE_MANAGER.names())
+    p.add_argument("--cache", default="radix", choices=PREFIX_CACHES.names())
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--attention-backend", default="auto", choices=backend_names())
     p.add_argument(

@@ -16,17 +16,17 @@ from kvray.kvcache.base import (
 from kvray.kvcache.mha_pool import MHAKVCache
 from kvray.registry import Registry
 
-SUPPORTED_CACHE_MANAGER: Registry[Callable[[int], BasePrefixCache]] = Registry("prefix cache")
+PREFIX_CACHES: Registry[Callable[[int], BasePrefixCache]] = Registry("prefix cache")
 
 
-@SUPPORTED_CACHE_MANAGER.register("naive")
+@PREFIX_CACHES.register("naive")
 def create_naive_cache(page_size: int) -> BasePrefixCache:
     from kvray.kvcache.naive import NaivePrefixCache
 
     return NaivePrefixCache(page_size)
 
 
-@SUPPORTED_CACHE_MANAGER.register("radix")
+@PREFIX_CACHES.register("radix")
 def create_radix_cache(page_size: int) -> BasePrefixCache:
     from kvray.kvcache.radix import RadixPrefixCache
 
@@ -34,7 +34,7 @@ def create_radix_cache(page_size: int) -> BasePrefixCache:
 
 
 def create_prefix_cache(policy: str, page_size: int) -> BasePrefixCache:
-    return SUPPORTED_CACHE_MANAGER.get(policy)(page_size)
+    return PREFIX_CACHES.get(policy)(page_size)
 
 
 def create_kvcache_pool(
@@ -66,7 +66,7 @@ __all__ = [
     "BaseKVCachePool",
     "BasePrefixCache",
     "MHAKVCache",
-    "SUPPORTED_CACHE_MANAGER",
+    "PREFIX_CACHES",
     "SizeInfo",
     "create_kvcache_pool",
     "create_prefix_cache",
