@@ -20,8 +20,6 @@ from engine_checks import TINY_MAX_TOKENS, TINY_PROMPTS, assert_same_tokens, gre
 from kvray.attention import create_attention_backend, resolve_backend_name, triton_ops
 from kvray.attention.triton_backend import TritonAttentionBackend, decode_splits
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
 
 def _tensors(lengths, q_heads, kv_heads, head_dim, dtype):
     q = [torch.randn(n, q_heads, head_dim, dtype=dtype) for n in lengths]
@@ -41,9 +39,19 @@ def _two_steps(backend, pool: Pool, cases, q_all, k_all, v_all) -> None:
         run_step(backend, pool, [step2[i] for i in order], q_all, k_all, v_all, layer)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# (q heads, kv heads, dtype): GQA groups of 2 and 3, MHA, one shared KV head; every dtype.
+HEADS_AND_DTYPES = [
+    (4, 2, torch.float32),
+    (4, 2, torch.bfloat16),
+    (6, 2, torch.float32),
+    (6, 2, torch.bfloat16),
+    (2, 2, torch.bfloat16),
+    (4, 1, torch.float16),
+]
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 2), (2, 2), (4, 1), (6, 2)])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dtype"), HEADS_AND_DTYPES, ids=str)
 def test_mixed_batch_matches_dense(page_size, q_heads, kv_heads, dtype) -> None:
     torch.manual_seed(page_size + 10 * q_heads + kv_heads)
     pool = Pool(page_size, kv_heads, dtype, seed=page_size)
@@ -66,8 +74,7 @@ LONG = [
 ]
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 16])
-@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize(("num_splits", "head_dim"), [(1, 64), (3, 24), (16, 64)])
 def test_long_contexts_and_splits(num_splits: int, head_dim: int) -> None:
     """Split-K decode with 1, 3 and 16 splits (empty splits included) over contexts of
     several key blocks; head_dim 24 pads to 32 lanes."""
