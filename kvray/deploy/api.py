@@ -242,7 +242,7 @@ def create_app(
     open_paths = {"/health", *public_paths}
     app = FastAPI(title="kvray", docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # _Front serves /x/ as /x instead
-    openapi = build_openapi(serving.model_name, bool(api_key), public_paths)
+    openapi = build_openapi(serving.model_name, bool(api_key), public_paths, serving.vocab_size)
 
     @app.middleware("http")
     async def auth(request: Request, call_next: Any) -> Response:

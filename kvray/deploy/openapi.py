@@ -3,9 +3,10 @@ response models in `protocol.py`, so it cannot drift from what the server valida
 sends.
 
 A streamed response (`"stream": true`) is `text/event-stream`: one `data: <json>` line per
-event, then `data: [DONE]`. OpenAPI 3.1 has no schema for an event stream, so its schema
-here is the array of the events' JSON payloads in order (chunks, and at most one error
-event last), and `x-kvray-sse-terminator` names the final line.
+event, then `data: [DONE]`. Its schema describes one event the way OpenAPI 3.2 reads
+event streams (and JSON Schema 2020-12 already can): an object whose `data` is either
+`[DONE]` or a JSON document (`contentMediaType` / `contentSchema`) that is a chunk or, once,
+an error body.
 """
 
 from __future__ import annotations
@@ -37,11 +38,33 @@ _ERRORS = {
 }
 
 
+def _this_server(schemas: dict[str, Any], model_name: str, vocab_size: int | None) -> None:
+    """What only this server knows: the one model it serves, the vocabulary's bounds, and
+    that a prompt is never empty."""
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        model = schemas[name]["properties"]["model"]
+        model["anyOf"] = [{"const": model_name}, {"type": "null"}]
+    token = {"type": "integer", "minimum": 0}
+    if vocab_size is not None:
+        token["maximum"] = vocab_size - 1
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]
+    prompt["anyOf"] = [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": token, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": token, "minItems": 1}, "minItems": 1},
+        {"type": "null"},
+    ]
+
+
 def build_openapi(
-    model_name: str, secured: bool, public_paths: Collection[str] = ()
+    model_name: str,
+    secured: bool,
+    public_paths: Collection[str] = (),
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the kvray server. `secured`: an API key is required
-    everywhere but /health and `public_paths`."""
+    everywhere but /health and `public_paths`. With `vocab_size`, token ids are bounded."""
     wanted: list[tuple[type[BaseModel], Any]] = [
         (CompletionRequest, "validation"),
         (ChatCompletionRequest, "validation"),
@@ -54,6 +77,7 @@ def build_openapi(
     ]
     names, defs = models_json_schema(wanted, ref_template=_REF)
     schemas = defs.get("$defs", {})
+    _this_server(schemas, model_name, vocab_size)
 
     def ref(model: type[BaseModel], mode: str = "serialization") -> dict[str, Any]:
         return names[(model, mode)]
@@ -64,14 +88,25 @@ def build_openapi(
     def generation(
         summary: str, request: type[BaseModel], whole: type[BaseModel], chunk: type[BaseModel]
     ) -> dict[str, Any]:
-        stream = {
-            "type": "array",
+        event = {
+            "type": "object",
             "description": (
-                "The `data:` payloads of the server-sent events, in order; the stream then "
-                "ends with `data: [DONE]`. A failure after streaming began is one last "
-                "error event."
+                "One server-sent event. The stream ends with `data: [DONE]`; a failure "
+                "after streaming began is one last event holding an error body."
             ),
-            "items": {"anyOf": [ref(chunk), ref(ErrorResponse)]},
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "anyOf": [
+                        {"const": "[DONE]"},
+                        {
+                            "type": "string",
+                            "contentMediaType": "application/json",
+                            "contentSchema": {"anyOf": [ref(chunk), ref(ErrorResponse)]},
+                        },
+                    ]
+                }
+            },
         }
         return {
             "post": {
@@ -86,10 +121,7 @@ def build_openapi(
                         "description": "The result; a stream of events when `stream` is true",
                         "content": {
                             "application/json": {"schema": ref(whole)},
-                            "text/event-stream": {
-                                "schema": stream,
-                                "x-kvray-sse-terminator": "data: [DONE]",
-                            },
+                            "text/event-stream": {"schema": event},
                         },
                     },
                     **errors,

@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     ValidationInfo,
     field_validator,
@@ -90,6 +91,23 @@ def _well_formed(text: str) -> str:
 Text = Annotated[str, AfterValidator(_well_formed)]
 
 
+def _integral(v: Any) -> Any:
+    """JSON has numbers, not ints: 3.0 is the integer 3 (as JSON Schema reads it)."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+# A JSON integer: an int or an integral number, never a boolean or a string.
+Int = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+def _published(*alternatives: dict[str, Any]) -> dict[str, Any]:
+    """The schema the OpenAPI document shows for a field that validators narrow further
+    than its type: the alternatives it accepts, or null."""
+    return {"anyOf": [*alternatives, {"type": "null"}]}
+
+
 def _prompt_shape(v: Any) -> Any:
     """Accept exactly: a string, a list of strings, a list of token ids, or a list of
     token-id lists (each non-empty); say which rule a value breaks in plain words."""
@@ -99,6 +117,8 @@ def _prompt_shape(v: Any) -> Any:
     )
 
     def is_id(x: Any) -> bool:
+        if isinstance(x, float):
+            return x.is_integer()
         return isinstance(x, int | HugeInt) and not isinstance(x, bool)
 
     if isinstance(v, str):
@@ -150,7 +170,7 @@ def _stop_shape(v: Any) -> Any:
 
 
 PromptField = Annotated[
-    Text | list[Text] | list[StrictInt] | list[list[StrictInt]], BeforeValidator(_prompt_shape)
+    Text | list[Text] | list[Int] | list[list[Int]], BeforeValidator(_prompt_shape)
 ]
 StopField = Annotated[Text | list[Text] | None, BeforeValidator(_stop_shape)]
 
@@ -171,7 +191,8 @@ def error_body(
 
 class _Request(BaseModel):
     """`null` for a field with a non-null default means that default (the OpenAI
-    reference's meaning), except for the fields in `_null_is_a_value`."""
+    reference's meaning), except for the fields in `_null_is_a_value`. Values are taken
+    as JSON types, not coerced: `true` is no number and `"1"` no integer."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     _null_is_a_value: ClassVar[frozenset[str]] = frozenset()
@@ -203,21 +224,34 @@ class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Text | None = Field(default=None, description="default: the served model")
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0, description="default 1")
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="default 1")
-    top_k: StrictInt | None = Field(default=None, ge=-1, description="-1: off (vLLM extra)")
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="vLLM extra")
-    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**63)
-    stop: StopField = Field(default=None, description=f"at most {MAX_STOP} strings")
-    stop_token_ids: list[StrictInt] | None = Field(default=None, description="vLLM extra")
-    n: StrictInt | None = Field(default=1, ge=1, le=MAX_N)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=100.0, description="default 1")
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, description="default 1")
+    top_k: Int | None = Field(default=None, ge=-1, description="-1: off (vLLM extra)")
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0, description="vLLM extra")
+    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    stop: StopField = Field(
+        default=None,
+        description=f"at most {MAX_STOP} strings",
+        json_schema_extra=_published(
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
+        ),
+    )
+    stop_token_ids: list[Int] | None = Field(default=None, description="vLLM extra")
+    n: Int | None = Field(default=1, ge=1, le=MAX_N)
     ignore_eos: StrictBool | None = Field(default=False, description="vLLM extra")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="only 0")
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="only 0")
-    logit_bias: dict[str, float] | None = Field(default=None, description="only empty")
+    presence_penalty: StrictFloat | None = Field(
+        default=None, ge=-2.0, le=2.0, json_schema_extra=_published({"const": 0})
+    )
+    frequency_penalty: StrictFloat | None = Field(
+        default=None, ge=-2.0, le=2.0, json_schema_extra=_published({"const": 0})
+    )
+    logit_bias: dict[str, StrictFloat] | None = Field(
+        default=None, json_schema_extra=_published({"type": "object", "maxProperties": 0})
+    )
 
     @field_validator("stop")
     @classmethod
@@ -260,13 +294,15 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptField | None = Field(
         description="null: generate from the start of a document (the model's BOS token)"
     )
-    max_tokens: StrictInt | None = Field(
+    max_tokens: Int | None = Field(
         default=16, ge=1, description="null: up to the server's default (--max-tokens-default)"
     )
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: StrictBool | None = Field(default=False, description="only false")
-    suffix: Text | None = Field(default=None, description="only empty")
-    best_of: StrictInt | None = Field(default=None, ge=1, description="only equal to n")
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: StrictBool | None = Field(default=False, json_schema_extra=_published({"const": False}))
+    suffix: Text | None = Field(
+        default=None, json_schema_extra=_published({"type": "string", "maxLength": 0})
+    )
+    best_of: Int | None = Field(default=None, ge=1, description="only equal to n")
 
     @field_validator("echo")
     @classmethod
@@ -338,17 +374,22 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(
+    max_tokens: Int | None = Field(
         default=None, ge=1, description="null: up to the server's default"
     )
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # Accepted only in their "off" form: kvray has no tool calling or constrained output.
-    tools: list[Any] | None = Field(default=None, description="only empty")
-    tool_choice: Any = Field(default=None, description="only 'none' or 'auto'")
+    tools: list[Any] | None = Field(
+        default=None, json_schema_extra=_published({"type": "array", "maxItems": 0})
+    )
+    tool_choice: Any = Field(default=None, json_schema_extra=_published({"enum": ["none", "auto"]}))
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict[str, Any] | None = Field(default=None, description="only text")
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_published({"type": "object", "properties": {"type": {"const": "text"}}}),
+    )
 
     @field_validator("tools")
     @classmethod
