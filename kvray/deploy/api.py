@@ -190,12 +190,17 @@ class ServerState:
 
 
 class _Front:
-    """Outermost layer: counts requests in flight, refuses new ones while draining, and
-    serves `/x/` as `/x` (no redirect)."""
+    """Outermost layer (plain ASGI, so streams pass straight through): serves `/x/` as `/x`
+    (no redirect), refuses new requests while draining, checks the API key, and counts
+    requests in flight."""
 
-    def __init__(self, app: FastAPI, state: ServerState) -> None:
+    def __init__(
+        self, app: FastAPI, state: ServerState, api_key: str | None, open_paths: set[str]
+    ) -> None:
         self.app = app
         self.state = state
+        self.api_key = api_key
+        self.open_paths = open_paths
 
     def add_exception_handler(self, exc: Any, handler: Any) -> None:
         self.app.add_exception_handler(exc, handler)  # Serve registers its own errors
@@ -208,9 +213,9 @@ class _Front:
         if len(path) > 1 and path.endswith("/"):
             scope = {**scope, "path": path.rstrip("/") or "/"}
             scope["raw_path"] = scope["path"].encode()
-        if self.state.draining:
-            response = _error(503, "the server is shutting down", headers={"Connection": "close"})
-            await response(scope, receive, send)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
             return
         self.state.inflight += 1
         try:
@@ -218,12 +223,29 @@ class _Front:
         finally:
             self.state.inflight -= 1
 
+    def _refusal(self, scope: Scope) -> Response | None:
+        if self.state.draining:
+            return _error(503, "the server is shutting down", headers={"Connection": "close"})
+        if not self.api_key or scope["path"] in self.open_paths:
+            return None
+        given = _key_given(scope)
+        if given is not None and hmac.compare_digest(given.encode(), self.api_key.encode()):
+            return None
+        message = (
+            "You didn't provide an API key: send Authorization: Bearer <key>"
+            if given is None
+            else "Incorrect API key provided"
+        )
+        return _error(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-def _key_given(request: Request) -> str | None:
-    header = request.headers.get("authorization")
-    if header is None:
-        return None
-    return header[7:] if header.lower().startswith("bearer ") else ""
+
+def _key_given(scope: Scope) -> str | None:
+    """The bearer token of the request; "" for another scheme, None when there is none."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            header = value.decode("latin-1")
+            return header[7:] if header.lower().startswith("bearer ") else ""
+    return None
 
 
 def create_app(
@@ -243,21 +265,6 @@ def create_app(
     app = FastAPI(title="kvray", docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # _Front serves /x/ as /x instead
     openapi = build_openapi(serving.model_name, bool(api_key), public_paths, serving.vocab_size)
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path not in open_paths:
-            given = _key_given(request)
-            if given is None or not hmac.compare_digest(given.encode(), api_key.encode()):
-                message = (
-                    "You didn't provide an API key: send Authorization: Bearer <key>"
-                    if given is None
-                    else "Incorrect API key provided"
-                )
-                return _error(
-                    401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
-                )
-        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> Response:
@@ -305,4 +312,4 @@ def create_app(
     async def openapi_json() -> JSONResponse:
         return JSONResponse(openapi)
 
-    return _Front(app, state or ServerState())
+    return _Front(app, state or ServerState(), api_key, open_paths)

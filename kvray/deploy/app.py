@@ -240,6 +240,12 @@ class Ingress:
         )
 
 
+def start_app(settings: ServeSettings, host: str, port: int) -> None:
+    """Serve the app over HTTP at host:port on the connected Ray cluster (as `kvray serve`)."""
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(settings), name=settings.app_name, route_prefix="/")
+
+
 def drain(app_name: str, grace_s: float) -> int:
     """Stop the app taking requests (new ones get a 503) and wait up to `grace_s` for the
     ones in flight to finish; returns how many were still running then."""

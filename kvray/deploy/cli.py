@@ -55,7 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvray.cluster.spec import resolve_model_path
     from kvray.config import EngineConfig
-    from kvray.deploy.app import ServeSettings, build_app, drain, live_placement_groups
+    from kvray.deploy.app import ServeSettings, drain, live_placement_groups, start_app
 
     # Resolve (and, for the embedded model, convert) once, here, with progress shown.
     model_path = resolve_model_path(args.model, progress=True)
@@ -91,13 +91,12 @@ def _serve(args: argparse.Namespace) -> int:
     )
     print(f"[kvray] starting Ray ({args.address or 'local'})...", file=sys.stderr, flush=True)
     ray.init(address=args.address, include_dashboard=False, configure_logging=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
     print(
         f"[kvray] loading {model_name}: {args.replicas} engine(s) x TP {args.tp}...",
         file=sys.stderr,
         flush=True,
     )
-    serve.run(build_app(settings), name=settings.app_name, route_prefix="/")
+    start_app(settings, args.host, args.port)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     print(f"[kvray] serving {model_name} at http://{host}:{args.port}/v1", flush=True)
 
@@ -130,7 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-_BENCHES = ("offline", "prefix", "serve", "scheduler", "dispatch")
+_BENCHES = ("offline", "prefix", "serve", "scheduler", "dispatch", "soak")
 
 
 def _bench(args: argparse.Namespace) -> int:
