@@ -23,7 +23,7 @@ import pytest
 
 from kvray.cluster.llm import chat_prompt_ids
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-kvray-test"
 README_REQUEST = {
