@@ -175,6 +175,10 @@ async def _sse_guard(stream: AsyncIterator[str]) -> AsyncIterator[str]:
     except APIError as e:
         yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.status))}\n\n"
         yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - a bug: still a well-formed end of the stream
+        body = error_body(f"internal error: {type(e).__name__}: {e}", _TYPES[500], None, 500)
+        yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
 
 
 # -- ASGI middleware ------------------------------------------------------------------------------
