@@ -58,6 +58,7 @@ def drill_server(ray_session: None, tiny_checkpoints: dict[str, Any]) -> Iterato
         engine=config.model_dump(), model_name="tiny", app_name=APP, health_timeout_s=5.0
     )
     port = _free_port()
+    serve.shutdown()  # a Serve left by an earlier module would keep its own HTTP port
     start_app(settings, "127.0.0.1", port)
     try:
         yield f"http://127.0.0.1:{port}"

@@ -6,6 +6,7 @@ each request to the replica with fewer requests in flight.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
@@ -107,7 +108,7 @@ class EngineDeployment:
         try:
             await self.actor.ready.remote()
         except Exception:
-            self.engine.shutdown()
+            await asyncio.to_thread(self.engine.shutdown)
             raise
 
     def __del__(self) -> None:
@@ -205,8 +206,6 @@ class Ingress:
     async def _healthy(self) -> bool:
         """A real step: one one-token request through an engine, within the timeout.
         (An engine that still answers calls but cannot generate is not healthy.)"""
-        import asyncio
-
         probe = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         ids = [self.serving.document_start_id()]
 

@@ -47,6 +47,7 @@ def serve_app(model_dir: Path, **settings: Any) -> Iterator[str]:
     )
     resolved = ServeSettings(engine=config.model_dump(), model_name=MODEL, app_name=APP, **settings)
     port = free_port()
+    serve.shutdown()  # a Serve left by an earlier module would keep its own HTTP port
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build_app(resolved), name=APP, route_prefix="/")
