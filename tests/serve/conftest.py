@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 import ray
-from serve_helpers import MAX_TOKENS_CAP, MAX_TOKENS_DEFAULT, serve_app
+
+from .serve_helpers import MAX_TOKENS_CAP, MAX_TOKENS_DEFAULT, serve_app
 
 
 @pytest.fixture(scope="session")

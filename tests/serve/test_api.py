@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 import ray
-from serve_helpers import (
+
+from .serve_helpers import (
     CONTEXT,
     FRANCE,
     MODEL,

@@ -11,7 +11,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from serve_helpers import (
+
+from kvray.cluster.llm import chat_prompt_ids
+from kvray.deploy.chat import chat_ids
+
+from .serve_helpers import (
     CONTEXT,
     FRANCE,
     MAX_TOKENS_CAP,
@@ -22,9 +26,6 @@ from serve_helpers import (
     sample,
     sse_events,
 )
-
-from kvray.cluster.llm import chat_prompt_ids
-from kvray.deploy.chat import chat_ids
 
 pytestmark = [
     pytest.mark.timeout(300),

@@ -21,9 +21,10 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from serve_helpers import FRANCE, MODEL, assert_engine_clean
 
 from kvray.deploy.openapi import build_openapi
+
+from .serve_helpers import FRANCE, MODEL, assert_engine_clean
 
 pytestmark = [
     pytest.mark.timeout(600),
