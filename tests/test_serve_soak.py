@@ -1,5 +1,5 @@
 """The soak at CI size: `kvray bench soak` in a subprocess (its own Ray cluster and kvray Serve
-app, real HTTP): a few hundred requests from 16 clients, completions and chat, streamed and
+app, real HTTP): 120 requests from 16 clients, completions and chat, streamed and
 not, shared prefixes, a fifth cut at random points, malformed bodies in between. Larger
 runs: `kvray bench soak --requests 2000 --concurrency 64`.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-REQUESTS = 200
+REQUESTS = 120
 
 
 @pytest.mark.slow

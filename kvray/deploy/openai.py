@@ -9,6 +9,7 @@ happen here; the engine sees token ids only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -171,15 +172,23 @@ class OpenAIServing:
 
     # -- request preparation ------------------------------------------------------------------
 
-    def document_start_id(self) -> int:
-        """What a null prompt means: the reference's `<|endoftext|>` (the document
-        separator) where the vocabulary has it, else the BOS token, else EOS."""
+    @functools.cached_property
+    def _document_start(self) -> int | None:
         tok = self.tokenizer
         vocab = tok.get_vocab()
         for candidate in ("<|endoftext|>", tok.bos_token, tok.eos_token):
             if candidate is not None and candidate in vocab:
                 return int(vocab[candidate])
-        raise APIError(400, "this model has no start-of-document token: send a prompt", "prompt")
+        return None
+
+    def document_start_id(self) -> int:
+        """What a null prompt means: the reference's `<|endoftext|>` (the document
+        separator) where the vocabulary has it, else the BOS token, else EOS."""
+        if self._document_start is None:
+            raise APIError(
+                400, "this model has no start-of-document token: send a prompt", "prompt"
+            )
+        return self._document_start
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
