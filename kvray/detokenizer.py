@@ -1,7 +1,8 @@
 """Incremental detokenization with stop strings, shared by the offline LLM and the server.
 
 Text is produced token by token without ever splitting a multi-byte character: a token
-whose bytes do not yet complete a character decodes to U+FFFD and is held until they do.
+whose bytes do not yet complete a character decodes to U+FFFD and is held until they do;
+if the request ends first, that half character is dropped (vLLM does the same).
 Each delta is the difference between decoding a short window of ids with and without
 the new ones, so leading-space rules of SentencePiece/BPE tokenizers come out right. Text
 that could be the start of a stop string is held back until it is known not to be; when
@@ -52,30 +53,34 @@ class IncrementalDetokenizer:
         """Add one generated token; returns the text that is now safe to show."""
         if self.stopped:
             return ""
-        delta = self._delta(token_id)
-        if not delta:
-            return ""
-        self.text += delta
-        if self.stop:
-            window = max(0, len(self.text) - len(delta) - self._max_stop + 1)
-            hits = [i for s in self.stop if (i := self.text.find(s, window)) >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
-                return self._take(len(self.text))
-            return self._take(len(self.text) - self._held_back())
-        return self._take(len(self.text))
+        return self._append(self._delta(token_id), final=False)
 
     def flush(self) -> str:
-        """The request ended: return what was held back (an unfinished character or a
-        possible stop-string prefix that never completed)."""
-        if not self.stopped:
-            tail = self._decode(self._ids[self._prefix_offset :])
-            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            if len(tail) > len(prefix):
-                self.text += tail[len(prefix) :]
-                self._prefix_offset = self._read_offset = len(self._ids)
-        return self._take(len(self.text))
+        """The request ended: return what was held back (a possible stop-string prefix that
+        never completed, text waiting on an unfinished character). A character whose bytes
+        never completed is dropped, as vLLM does: the text never ends in half of one."""
+        if self.stopped:
+            return self._take(len(self.text))
+        tail = self._decode(self._ids[self._prefix_offset :])
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        delta = tail[len(prefix) :] if len(tail) > len(prefix) else ""
+        return self._append(delta.rstrip("\ufffd"), final=True)
+
+    def _append(self, delta: str, final: bool) -> str:
+        """Add decoded text, cut it at the first stop string, and return what may be shown:
+        all of it once `final`, else all but a tail that could begin a stop string."""
+        if delta:
+            self.text += delta
+            if self.stop:
+                window = max(0, len(self.text) - len(delta) - self._max_stop + 1)
+                hits = [i for s in self.stop if (i := self.text.find(s, window)) >= 0]
+                if hits:
+                    self.text = self.text[: min(hits)]
+                    self.stopped = True
+        if final or self.stopped or not self.stop:
+            return self._take(len(self.text))
+        return self._take(len(self.text) - self._held_back())
 
     def _held_back(self) -> int:
         """Length of the longest suffix of `text` that begins some stop string."""

@@ -109,6 +109,23 @@ def test_dashboard_queries_what_the_issue_asks_for():
     assert "rate(kvray:num_aborted_requests_total" in joined
 
 
+def test_dashboard_shows_requests_that_ended_as_abort():
+    """Client disconnects count as request_success{finished_reason="abort"} (as in vLLM):
+    the abort panel plots that series next to the engines' own count."""
+    d = load_dashboard()
+    (panel,) = [p for p in iter_panels(d["panels"]) if p.get("title") == "Aborted requests"]
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert any(
+        re.search(r'rate\(kvray:request_success_total\{[^}]*finished_reason="abort"', e)
+        for e in exprs
+    ), exprs
+    assert any("kvray:num_aborted_requests_total" in e for e in exprs), exprs
+    (by_reason,) = [
+        p for p in iter_panels(d["panels"]) if p.get("title") == "Finished requests by reason"
+    ]
+    assert "finished_reason" in by_reason["targets"][0]["expr"]
+
+
 def test_every_selector_filters_on_the_model_variable():
     """Every kvray selector in a panel honours the $model_name variable."""
     d = load_dashboard()

@@ -407,6 +407,10 @@ def test_render_tp4_values(helm_render, monkeypatch):
     assert backend == {"name": f"{rs['metadata']['name']}-serve-svc", "port": {"number": 8000}}
     (monitor,) = _kind(docs, "ServiceMonitor")
     assert {"port": "serve", "path": "/metrics"}.items() <= monitor["spec"]["endpoints"][0].items()
+    # /metrics needs the API key too: the scrape sends it from the same Secret
+    auth = monitor["spec"]["endpoints"][0]["authorization"]
+    assert auth == {"type": "Bearer", "credentials": {"name": "kvray-api-key", "key": "api-key"}}
+    assert "authorization" not in monitor["spec"]["endpoints"][1]  # Ray's own metrics port
 
 
 def test_render_optional_pieces(helm_render, monkeypatch):
@@ -424,7 +428,10 @@ def test_render_optional_pieces(helm_render, monkeypatch):
     )
     (secret,) = _kind(docs, "Secret")
     assert secret["data"] == {"api-key": "aw=="}  # base64("k")
-    assert len(_kind(docs, "PodMonitor")) == 2  # kvray:* from the head, ray_* from every pod
+    monitors = _kind(docs, "PodMonitor")
+    assert len(monitors) == 2  # kvray:* from the head, ray_* from every pod
+    serve_endpoint = monitors[0]["spec"]["podMetricsEndpoints"][0]
+    assert serve_endpoint["authorization"]["credentials"]["key"] == "api-key"
     (rs,) = _kind(docs, "RayService")
     cluster = rs["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:

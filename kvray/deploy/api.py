@@ -1,7 +1,8 @@
 """The HTTP surface: FastAPI routes over an OpenAIServing, with OpenAI error bodies.
 
 Every error, whatever its cause (bad JSON, a wrong type, an unknown route, a bug), answers
-with `{"error": {"message", "type", "param", "code"}}` and the server stays up.
+with `{"error": {"message", "type", "param", "code"}}` and the server stays up. A 400 says
+what is wrong with the value that was sent, naming the field.
 """
 
 from __future__ import annotations
@@ -9,51 +10,161 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvray.deploy.openai import APIError, OpenAIServing
-from kvray.deploy.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvray.deploy.openapi import build_openapi
+from kvray.deploy.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    HugeInt,
+    error_body,
+    json_kind,
+)
 
 _TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
+    401: "invalid_request_error",
     404: "NotFoundError",
     405: "MethodNotAllowed",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
+# Paths that may be opened with `public_paths` when an API key is set; /health always is.
+OPTIONAL_PUBLIC_PATHS = ("/metrics", "/openapi.json")
 
-def _error(status: int, message: str, param: str | None = None, type_: str | None = None):
+
+class ErrorJSON(JSONResponse):
+    """An error body; ASCII-escaped so that no input echoed in a message can break it."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    type_: str | None = None,
+    code: str | int | None = None,
+    headers: dict[str, str] | None = None,
+) -> ErrorJSON:
     t = type_ or ("invalid_request_error" if status == 400 else _TYPES.get(status, "error"))
-    return JSONResponse(error_body(message, t, param, status), status_code=status)
+    body = error_body(message, t, param, status if code is None else code)
+    return ErrorJSON(body, status_code=status, headers=headers)
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
+# -- request bodies -------------------------------------------------------------------------------
+
+
+def _parse_int(text: str) -> int | HugeInt:
+    """JSON integers beyond Python's int-string limit become a HugeInt marker, so the
+    field that holds one gets a 400 naming it (instead of a ValueError inside the parser)."""
+    digits = len(text) - (text[0] == "-")
+    limit = sys.get_int_max_str_digits()
+    if limit and digits > limit:
+        return HugeInt(digits)
+    return int(text)
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    """`messages[0].content` from a pydantic location, without pydantic's union tags."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif item.isidentifier():
+            out += f".{item}" if out else item
+        # else a union member's tag such as 'list[int]' or 'function-after[...]'
+    return out
+
+
+_PROBLEMS: dict[str, str] = {
+    "string_type": "must be a string",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "finite_number": "must be a finite number",
+    "list_type": "must be an array",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+}
+_BOUNDS = {
+    "greater_than": ">",
+    "greater_than_equal": ">=",
+    "less_than": "<",
+    "less_than_equal": "<=",
+}
+
+
+def describe(err: ErrorDetails) -> tuple[str | None, str]:
+    """(param, message) for one pydantic error: the field, what it must be, what was sent."""
+    loc = tuple(err["loc"])
+    where = _path(loc) or "the request body"
+    param = next((x for x in loc if isinstance(x, str) and x.isidentifier()), None)
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    got = json_kind(value)
+    if isinstance(value, HugeInt):
+        return param, f"{where}: {got} is far beyond any value this field accepts"
+    if kind == "missing":
+        return param, f"{where} is required"
+    if kind in ("value_error", "assertion_error"):
+        return param, f"{where}: {str(ctx.get('error', err['msg']))}"
+    if kind in _PROBLEMS:
+        return param, f"{where} {_PROBLEMS[kind]}; got {got}"
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()))
+        return param, f"{where} must be {_BOUNDS[kind]} {bound}; got {got}"
+    if kind == "literal_error":
+        return param, f"{where} must be one of {ctx.get('expected')}; got {got}"
+    if kind == "too_short":
+        return param, f"{where} must have at least {ctx.get('min_length')} item(s); got none"
+    if kind == "too_long":
+        return param, f"{where} must have at most {ctx.get('max_length')} item(s)"
+    return param, f"{where}: {err['msg']}; got {got}"
+
+
+def _first_error(e: ValidationError) -> ErrorDetails:
+    """The error to report: a too-long integer, else our own plain-words checks (a union
+    reports one error per member, and the members' type errors say less than the check
+    that applied), else the first."""
+    errors = e.errors()
+    huge = [x for x in errors if isinstance(x.get("input"), HugeInt)]
+    own = [x for x in errors if x["type"] in ("value_error", "assertion_error", "missing")]
+    return (huge or own or errors)[0]
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """Validate a request body against `model`; raises APIError(400) naming the field."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_int=_parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+        raise APIError(400, f"the request body must be a JSON object, not {json_kind(data)}")
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(x) for x in err["loc"]]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        raise APIError(400, f"{where}: {err['msg']}", param) from None
+        param, message = describe(_first_error(e))
+        raise APIError(400, message, param) from None
 
 
 async def _sse_guard(stream: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -64,6 +175,81 @@ async def _sse_guard(stream: AsyncIterator[str]) -> AsyncIterator[str]:
     except APIError as e:
         yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.status))}\n\n"
         yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - a bug: still a well-formed end of the stream
+        body = error_body(f"internal error: {type(e).__name__}: {e}", _TYPES[500], None, 500)
+        yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+# -- ASGI middleware ------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerState:
+    """What the process that runs the app knows about it: requests in flight (streams
+    count until their last byte) and whether it is draining for a shutdown."""
+
+    inflight: int = 0
+    draining: bool = False
+
+
+class _Front:
+    """Outermost layer (plain ASGI, so streams pass straight through): serves `/x/` as `/x`
+    (no redirect), refuses new requests while draining, checks the API key, and counts
+    requests in flight."""
+
+    def __init__(
+        self, app: FastAPI, state: ServerState, api_key: str | None, open_paths: set[str]
+    ) -> None:
+        self.app = app
+        self.state = state
+        self.api_key = api_key
+        self.open_paths = open_paths
+
+    def add_exception_handler(self, exc: Any, handler: Any) -> None:
+        self.app.add_exception_handler(exc, handler)  # Serve registers its own errors
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+            scope["raw_path"] = scope["path"].encode()
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        self.state.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.inflight -= 1
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        if self.state.draining:
+            return _error(503, "the server is shutting down", headers={"Connection": "close"})
+        if not self.api_key or scope["path"] in self.open_paths:
+            return None
+        given = _key_given(scope)
+        if given is not None and hmac.compare_digest(given.encode(), self.api_key.encode()):
+            return None
+        message = (
+            "You didn't provide an API key: send Authorization: Bearer <key>"
+            if given is None
+            else "Incorrect API key provided"
+        )
+        return _error(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _key_given(scope: Scope) -> str | None:
+    """The bearer token of the request; "" for another scheme, None when there is none."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            header = value.decode("latin-1")
+            return header[7:] if header.lower().startswith("bearer ") else ""
+    return None
 
 
 def create_app(
@@ -71,32 +257,29 @@ def create_app(
     registry: CollectorRegistry,
     api_key: str | None = None,
     health: Callable[[], Awaitable[bool]] | None = None,
-) -> FastAPI:
-    app = FastAPI(title="kvray", docs_url=None, redoc_url=None)
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), api_key.encode()):
-                return _error(
-                    401,
-                    "a valid API key is required (Authorization: Bearer ...)",
-                    type_="AuthenticationError",
-                )
-        return await call_next(request)
+    public_paths: Collection[str] = (),
+    state: ServerState | None = None,
+) -> ASGIApp:
+    """The ASGI app. With `api_key`, every path but /health (and `public_paths`, a subset
+    of OPTIONAL_PUBLIC_PATHS) needs `Authorization: Bearer <key>`."""
+    unknown = set(public_paths) - set(OPTIONAL_PUBLIC_PATHS)
+    if unknown:
+        raise ValueError(f"public_paths may hold only {OPTIONAL_PUBLIC_PATHS}, not {unknown}")
+    open_paths = {"/health", *public_paths}
+    app = FastAPI(title="kvray", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.redirect_slashes = False  # _Front serves /x/ as /x instead
+    openapi = build_openapi(serving.model_name, bool(api_key), public_paths, serving.vocab_size)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
+    async def api_error(_: Request, e: APIError) -> Response:
         return _error(e.status, e.message, e.param, e.type)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(e.status_code, str(e.detail))
+    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
+        return _error(e.status_code, str(e.detail), headers=dict(e.headers or {}))
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+    async def internal_error(_: Request, e: Exception) -> Response:
         return _error(500, f"internal error: {type(e).__name__}: {e}")
 
     async def respond(result: Any) -> Response:
@@ -106,11 +289,13 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await respond(await serving.completions(await _parse(request, CompletionRequest)))
+        req = parse_body(await request.body(), CompletionRequest)
+        return await respond(await serving.completions(req))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await respond(await serving.chat(await _parse(request, ChatCompletionRequest)))
+        req = parse_body(await request.body(), ChatCompletionRequest)
+        return await respond(await serving.chat(req))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -119,7 +304,7 @@ def create_app(
     @app.get("/health")
     async def healthz() -> Response:
         if health is not None and not await health():
-            return _error(503, "the engine is not ready or has failed")
+            return _error(503, "no engine can serve: the health probe's generation step failed")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -127,4 +312,8 @@ def create_app(
         body = await asyncio.to_thread(generate_latest, registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    @app.get("/openapi.json")
+    async def openapi_json() -> JSONResponse:
+        return JSONResponse(openapi)
+
+    return _Front(app, state or ServerState(), api_key, open_paths)

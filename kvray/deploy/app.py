@@ -6,6 +6,7 @@ each request to the replica with fewer requests in flight.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
@@ -33,6 +34,23 @@ class ServeSettings:
     api_key: str | None = None
     compiled: bool = True
     worker_cpus: float = 1.0
+    # Paths (of api.OPTIONAL_PUBLIC_PATHS) left open when an API key is set; /health always is.
+    public_paths: tuple[str, ...] = ()
+    max_tokens_default: int | None = None  # None: the rest of the context (vLLM)
+    max_tokens_cap: int | None = None
+    special_tokens_in_messages: bool = False
+    health_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        from kvray.deploy.api import OPTIONAL_PUBLIC_PATHS
+
+        bad = set(self.public_paths) - set(OPTIONAL_PUBLIC_PATHS)
+        if bad:
+            raise ValueError(f"public paths may be {OPTIONAL_PUBLIC_PATHS}, not {sorted(bad)}")
+        for name in ("max_tokens_default", "max_tokens_cap"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value}")
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -85,7 +103,19 @@ class EngineDeployment:
         return await self.actor.stats.remote()
 
     async def check_health(self) -> None:
-        await self.actor.ready.remote()
+        """Serve replaces this replica when its scheduler actor is gone; the placement
+        group of the dead engine is released first, so its CPUs/GPUs come back."""
+        try:
+            await self.actor.ready.remote()
+        except Exception:
+            await asyncio.to_thread(self.engine.shutdown)
+            raise
+
+    def __del__(self) -> None:
+        # Serve calls this on a graceful shutdown: release the actors and placement group.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
 
 
 class _ServeStream:
@@ -152,8 +182,9 @@ class Ingress:
     def __init__(self, engine: Any, settings: dict[str, Any]) -> None:
         from kvray.cluster.llm import load_tokenizer
         from kvray.cluster.spec import EngineSpec
+        from kvray.deploy.api import ServerState
         from kvray.deploy.metrics import EngineCollector, RequestMetrics
-        from kvray.deploy.openai import OpenAIServing
+        from kvray.deploy.openai import OpenAIServing, ServingLimits
 
         s = ServeSettings(**settings)
         self.settings = s
@@ -161,6 +192,7 @@ class Ingress:
         self.registry = CollectorRegistry()
         metrics = RequestMetrics(self.registry, s.model_name)
         self.registry.register(EngineCollector(s.model_name, lambda: engine_stats(s.app_name)))
+        self.state = ServerState()
         self.serving = OpenAIServing(
             s.model_name,
             load_tokenizer(spec.model_path),
@@ -168,18 +200,72 @@ class Ingress:
             spec.vocab_size,
             ServeEngineClient(engine),
             metrics,
+            ServingLimits(s.max_tokens_default, s.max_tokens_cap, s.special_tokens_in_messages),
         )
 
     async def _healthy(self) -> bool:
-        import asyncio
+        """A real step: one one-token request through an engine, within the timeout.
+        (An engine that still answers calls but cannot generate is not healthy.)"""
+        probe = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        ids = [self.serving.document_start_id()]
 
-        stats = await asyncio.to_thread(engine_stats, self.settings.app_name)
-        return len(stats) >= 1
+        async def one_token() -> bool:
+            got = False
+            async for batch in await self.serving.engine.generate(ids, probe):
+                if any(ev.error is not None for ev in batch):
+                    return False
+                got = got or any(ev.token_id is not None for ev in batch)
+            return got
+
+        try:
+            return await asyncio.wait_for(one_token(), self.settings.health_timeout_s)
+        except Exception:  # noqa: BLE001 - a dead actor, a missing replica, a timeout
+            return False
+
+    async def drain(self) -> int:
+        """Refuse new requests from now on (503); returns the requests still in flight."""
+        self.state.draining = True
+        return self.state.inflight
+
+    async def inflight(self) -> int:
+        return self.state.inflight
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvray.deploy.api import create_app
 
-        return create_app(self.serving, self.registry, self.settings.api_key, self._healthy)
+        s = self.settings
+        return create_app(
+            self.serving, self.registry, s.api_key, self._healthy, s.public_paths, self.state
+        )
+
+
+def start_app(settings: ServeSettings, host: str, port: int) -> None:
+    """Serve the app over HTTP at host:port on the connected Ray cluster (as `kvray serve`)."""
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(settings), name=settings.app_name, route_prefix="/")
+
+
+def drain(app_name: str, grace_s: float) -> int:
+    """Stop the app taking requests (new ones get a 503) and wait up to `grace_s` for the
+    ones in flight to finish; returns how many were still running then."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    handle = serve.get_app_handle(app_name)
+    left = handle.drain.remote().result(timeout_s=10)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = handle.inflight.remote().result(timeout_s=10)
+    return left
+
+
+def live_placement_groups(prefix: str = "kvray-pg-") -> int:
+    """kvray's placement groups not yet removed on the connected cluster."""
+    return sum(
+        1
+        for info in ray.util.placement_group_table().values()
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED"
+    )
 
 
 def build_app(settings: ServeSettings) -> Any:

@@ -62,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvray.cluster.spec import resolve_model_path
     from kvray.config import EngineConfig
-    from kvray.deploy.app import ServeSettings, build_app
+    from kvray.deploy.app import ServeSettings, drain, live_placement_groups, start_app
 
     # Resolve (and, for the embedded model, convert) once, here, with progress shown.
     model_path = resolve_model_path(args.model, progress=True)
@@ -92,16 +92,19 @@ def _serve(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         api_key=args.api_key or os.environ.get("KVRAY_API_KEY") or None,
         compiled=not args.no_compiled_graph,
+        public_paths=tuple(args.public_path),
+        max_tokens_default=args.max_tokens_default,
+        max_tokens_cap=args.max_tokens_cap,
+        special_tokens_in_messages=args.special_tokens_in_messages,
     )
     print(f"[kvray] starting Ray ({args.address or 'local'})...", file=sys.stderr, flush=True)
     ray.init(address=args.address, include_dashboard=False, configure_logging=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
     print(
         f"[kvray] loading {model_name}: {args.replicas} engine(s) x TP {args.tp}...",
         file=sys.stderr,
         flush=True,
     )
-    serve.run(build_app(settings), name=settings.app_name, route_prefix="/")
+    start_app(settings, args.host, args.port)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     print(f"[kvray] serving {model_name} at http://{host}:{args.port}/v1", flush=True)
 
@@ -109,17 +112,32 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    grace = args.shutdown_grace_s
+    print(f"[kvray] draining (up to {grace:g} s)...", file=sys.stderr, flush=True)
+    # Every step is bounded: when the whole process group got the signal (Ctrl-C), Ray's
+    # own processes may already be gone, and a call to them would wait forever.
+    left: list[int] = []
+    drainer = threading.Thread(
+        target=lambda: left.append(drain(settings.app_name, grace)), daemon=True
+    )
+    drainer.start()
+    drainer.join(grace + 15)
+    if left and left[0]:
+        print(f"[kvray] {left[0]} request(s) cut at the grace period", file=sys.stderr, flush=True)
     print("[kvray] shutting down...", file=sys.stderr, flush=True)
-    # Bounded: when the whole process group got the signal, Serve's controller may already
-    # be gone, and serve.shutdown() would wait for it.
     closer = threading.Thread(target=serve.shutdown, daemon=True)
     closer.start()
-    closer.join(10)
+    closer.join(30)
+    try:
+        pgs = live_placement_groups()
+        print(f"[kvray] stopped; placement groups left: {pgs}", file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - the cluster is already gone
+        pass
     ray.shutdown()
     return 0
 
 
-_BENCHES = ("offline", "prefix", "serve", "scheduler", "dispatch")
+_BENCHES = ("offline", "prefix", "serve", "scheduler", "dispatch", "soak")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -157,6 +175,33 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", default=None)
     s.add_argument(
         "--no-compiled-graph", action="store_true", help="dispatch steps with plain actor calls"
+    )
+    s.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=None,
+        help="tokens to generate when a request sets no limit (default: the rest of the context)",
+    )
+    s.add_argument(
+        "--max-tokens-cap", type=int, default=None, help="refuse requests asking for more tokens"
+    )
+    s.add_argument(
+        "--special-tokens-in-messages",
+        action="store_true",
+        help="let special-token text typed in chat messages become special tokens (as vLLM)",
+    )
+    s.add_argument(
+        "--public-path",
+        action="append",
+        default=[],
+        choices=["/metrics", "/openapi.json"],
+        help="leave this path open when --api-key is set (repeatable; /health always is)",
+    )
+    s.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, let running requests finish for up to this long",
     )
     s.set_defaults(func=_serve)
 

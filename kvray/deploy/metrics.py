@@ -2,14 +2,20 @@
 dashboards carry over.
 
 Request-level histograms and token counters are observed by the API server as requests
-stream through it. Engine-level gauges and counters (running / waiting requests, KV usage,
-prefix-cache queries and hits, preemptions, aborts) are read from every engine's scheduler
+stream through it, counted as vLLM counts them: a request's prompt tokens once its first
+token is out (its prefill ran), each generated token as it arrives, and every request that
+ends, by its reason, `abort` included (a client that went away, an engine that failed), so
+aborted work shows on the dashboard like any other.
+
+Engine-level gauges and counters (running / waiting requests, KV usage, prefix-cache
+queries and hits, preemptions, aborts) are read from every engine's scheduler
 at scrape time by `EngineCollector`, so they are exact and summed over data-parallel
 engines.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,6 +89,42 @@ class RequestMetrics:
 
     def success(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
+
+    def track(self, prompt_len: int) -> RequestTracker:
+        return RequestTracker(self, prompt_len)
+
+
+class RequestTracker:
+    """One engine request's observations; `finish` records it once, whatever the reason."""
+
+    def __init__(self, metrics: RequestMetrics, prompt_len: int) -> None:
+        self.m = metrics
+        self.prompt_len = prompt_len
+        self.start = self.last = time.monotonic()
+        self.generated = 0
+        self.finished = False
+
+    def token(self) -> None:
+        now = time.monotonic()
+        if self.generated == 0:
+            self.m.ttft.observe(now - self.last)
+            self.m.prompt_tokens.inc(self.prompt_len)
+        else:
+            self.m.itl.observe(now - self.last)
+        self.m.generation_tokens.inc()
+        self.last = now
+        self.generated += 1
+
+    def finish(self, reason: str, queue_time_s: float | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.m.e2e.observe(time.monotonic() - self.start)
+        self.m.prompt_len.observe(self.prompt_len)
+        self.m.gen_len.observe(self.generated)
+        if queue_time_s is not None:
+            self.m.queue.observe(queue_time_s)
+        self.m.success(reason)
 
 
 class EngineCollector(Collector):

@@ -9,6 +9,7 @@ happen here; the engine sees token ids only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -16,10 +17,36 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvray.cluster.llm import chat_prompt_ids
-from kvray.core import RequestRejected, SamplingParams, TokenEvent, ended_on_stop_token
+from pydantic import BaseModel
+
+from kvray.core import (
+    FinishReason,
+    RequestRejected,
+    SamplingParams,
+    TokenEvent,
+    ended_on_stop_token,
+)
+from kvray.deploy.chat import chat_ids
 from kvray.deploy.metrics import RequestMetrics
-from kvray.deploy.protocol import ChatCompletionRequest, CompletionRequest
+from kvray.deploy.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from kvray.detokenizer import IncrementalDetokenizer
 
 
@@ -54,6 +81,10 @@ class EngineClient(Protocol):
         ...
 
 
+_Logprob = tuple[int, float, tuple[tuple[int, float], ...] | None]
+_Job = tuple[int, list[int], SamplingParams]
+
+
 @dataclass
 class _Choice:
     """One generated sequence as it accumulates."""
@@ -62,9 +93,7 @@ class _Choice:
     prompt_len: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...] | None]] = field(
-        default_factory=list
-    )
+    logprobs: list[_Logprob] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -73,12 +102,36 @@ class _Delta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...] | None]]
+    logprobs: list[_Logprob]
     finish_reason: str | None
 
 
 def _now() -> int:
     return int(time.time())
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """Server-side policy for what requests may ask.
+
+    `max_tokens_default`: the limit when a request sets none (`max_tokens` null, or
+    omitted on chat); None = the rest of the context, as vLLM. `max_tokens_cap`: the most
+    any request may ask for (more is a 400). `special_tokens_in_messages`: tokenize chat
+    content the plain way, so typed special-token text becomes special tokens (vLLM's
+    default; off here, see `chat.py`)."""
+
+    max_tokens_default: int | None = None
+    max_tokens_cap: int | None = None
+    special_tokens_in_messages: bool = False
+
+
+def _engine_failure(e: BaseException) -> APIError:
+    return APIError(
+        503,
+        f"the engine failed while serving this request ({type(e).__name__}); retry shortly",
+        None,
+        "ServiceUnavailableError",
+    )
 
 
 class OpenAIServing:
@@ -90,6 +143,7 @@ class OpenAIServing:
         vocab_size: int,
         engine: EngineClient,
         metrics: RequestMetrics | None = None,
+        limits: ServingLimits | None = None,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -97,18 +151,15 @@ class OpenAIServing:
         self.vocab_size = vocab_size
         self.engine = engine
         self.metrics = metrics
+        self.limits = limits or ServingLimits()
 
     # -- /v1/models -------------------------------------------------------------------------------
 
     def models(self) -> dict[str, Any]:
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "kvray",
-            "max_model_len": self.max_seq_len,
-        }
-        return {"object": "list", "data": [card]}
+        card = ModelCard(
+            id=self.model_name, created=0, owned_by="kvray", max_model_len=self.max_seq_len
+        )
+        return ModelList(data=[card]).model_dump()
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -120,6 +171,24 @@ class OpenAIServing:
             )
 
     # -- request preparation ------------------------------------------------------------------
+
+    @functools.cached_property
+    def _document_start(self) -> int | None:
+        tok = self.tokenizer
+        vocab = tok.get_vocab()
+        for candidate in ("<|endoftext|>", tok.bos_token, tok.eos_token):
+            if candidate is not None and candidate in vocab:
+                return int(vocab[candidate])
+        return None
+
+    def document_start_id(self) -> int:
+        """What a null prompt means: the reference's `<|endoftext|>` (the document
+        separator) where the vocabulary has it, else the BOS token, else EOS."""
+        if self._document_start is None:
+            raise APIError(
+                400, "this model has no start-of-document token: send a prompt", "prompt"
+            )
+        return self._document_start
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -137,23 +206,35 @@ class OpenAIServing:
             raise APIError(400, "the prompt is empty", "prompt")
         return ids
 
-    def _max_tokens(self, prompt_len: int, requested: int | None, field_name: str) -> int:
-        if prompt_len >= self.max_seq_len:
+    def _max_tokens(
+        self, prompt_len: int, requested: int | None, prompt_field: str, field_name: str
+    ) -> int:
+        """The request's token budget: what it asked for (checked against the cap and the
+        context), or the server's default bounded by the context."""
+        room = self.max_seq_len - prompt_len
+        if room <= 0:
             raise APIError(
                 400,
                 f"the prompt has {prompt_len} tokens; this model's context is "
                 f"{self.max_seq_len} tokens",
-                field_name,
+                prompt_field,
             )
+        cap, default = self.limits.max_tokens_cap, self.limits.max_tokens_default
         if requested is None:
-            return self.max_seq_len - prompt_len
-        if prompt_len + requested > self.max_seq_len:
+            return min(x for x in (room, default, cap) if x is not None)
+        if cap is not None and requested > cap:
             raise APIError(
                 400,
-                f"the prompt has {prompt_len} tokens and max_tokens is {requested}: "
+                f"{field_name} is {requested}; this server allows at most {cap} tokens per request",
+                field_name,
+            )
+        if requested > room:
+            raise APIError(
+                400,
+                f"the prompt has {prompt_len} tokens and {field_name} is {requested}: "
                 f"{prompt_len + requested} exceeds this model's context of "
                 f"{self.max_seq_len} tokens",
-                "max_tokens",
+                field_name,
             )
         return requested
 
@@ -174,68 +255,81 @@ class OpenAIServing:
             max_tokens=max_tokens,
             stop=tuple(req.stop or ()),
             stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
+            ignore_eos=bool(req.ignore_eos),
             seed=seed,
             logprobs=logprobs,
         )
 
     # -- running choices -----------------------------------------------------------------------
 
-    async def _run(self, index: int, ids: list[int], sp: SamplingParams) -> AsyncIterator[_Delta]:
-        """One choice: submit, detokenize, cut at stop strings, observe metrics."""
+    async def _submit(self, ids: list[int], sp: SamplingParams) -> EngineStream:
         try:
-            stream = await self.engine.generate(ids, sp)
+            return await self.engine.generate(ids, sp)
         except RequestRejected as e:
             raise APIError(400, str(e), e.param) from None
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - no engine could take it: a 503, not a 500
+            raise _engine_failure(e) from None
+
+    @staticmethod
+    async def _events(stream: EngineStream) -> AsyncIterator[list[TokenEvent]]:
+        """The stream's event batches; an engine that dies mid-stream is a 503."""
+        it = stream.__aiter__()
+        while True:
+            try:
+                batch = await it.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception as e:  # noqa: BLE001 - the actor or replica went away
+                raise _engine_failure(e) from None
+            yield batch
+
+    async def _run(self, index: int, ids: list[int], sp: SamplingParams) -> AsyncIterator[_Delta]:
+        """One choice: submit, detokenize, cut at stop strings, observe metrics."""
+        stream = await self._submit(ids, sp)
         detok = IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
-        m = self.metrics
-        start = last = time.monotonic()
-        generated = 0
+        tracker = self.metrics.track(len(ids)) if self.metrics is not None else None
         finished = False
         try:
-            async for batch in stream:
+            async for batch in self._events(stream):
                 for ev in batch:
                     if ev.error is not None:
                         raise APIError(503, ev.error, None, "ServiceUnavailableError")
+                    if ev.finish_reason is FinishReason.ABORT:
+                        raise APIError(
+                            503, "the engine aborted this request", None, "ServiceUnavailableError"
+                        )
                     text, toks, lps = "", [], []
                     if ev.token_id is not None:
                         toks.append(ev.token_id)
-                        now = time.monotonic()
-                        if m is not None:
-                            (m.ttft if generated == 0 else m.itl).observe(now - last)
-                        last = now
-                        generated += 1
+                        if tracker is not None:
+                            tracker.token()
                         if not ended_on_stop_token(ev, sp):
                             text = detok.push(ev.token_id)
                         if ev.logprob is not None:
                             lps.append((ev.token_id, ev.logprob, ev.top_logprobs))
                     reason = ev.finish_reason.value if ev.finish_reason is not None else None
-                    if detok.stopped:  # a stop string wins over length, as in vLLM
-                        if reason is None:
-                            await stream.abort("stop")
+                    if detok.stopped and reason is None:  # a stop string wins over length
+                        await stream.abort("stop")
                         reason = "stop"
                     if reason is not None:
                         text += detok.flush()
+                        if detok.stopped:
+                            reason = "stop"
                         finished = True
-                        if m is not None:
-                            m.e2e.observe(time.monotonic() - start)
-                            m.prompt_len.observe(len(ids))
-                            m.gen_len.observe(generated)
-                            m.prompt_tokens.inc(len(ids))
-                            m.generation_tokens.inc(generated)
-                            if ev.queue_time_s is not None:
-                                m.queue.observe(ev.queue_time_s)
-                            m.success(reason)
+                        if tracker is not None:
+                            tracker.finish(reason, ev.queue_time_s)
                     yield _Delta(index, text, toks, lps, reason)
                     if finished:
                         return
         finally:
             if not finished:
+                if tracker is not None:
+                    tracker.finish("abort")
                 await stream.abort("abort")
 
-    async def _merged(
-        self, jobs: Sequence[tuple[int, list[int], SamplingParams]]
-    ) -> AsyncIterator[_Delta]:
+    async def _merged(self, jobs: Sequence[_Job]) -> AsyncIterator[_Delta]:
         """Run every choice concurrently; yield their deltas as they come."""
         queue: asyncio.Queue[_Delta | BaseException | None] = asyncio.Queue()
 
@@ -269,125 +363,113 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _chat_logprobs(self, entries: list[Any]) -> dict[str, Any]:
+    def _chat_logprobs(self, entries: list[_Logprob]) -> ChatLogprobs:
         content = []
         for tok, lp, top in entries:
             s = self._token_text(tok)
+            tops = [
+                TopLogprob(token=(t := self._token_text(i)), logprob=v, bytes=list(t.encode()))
+                for i, v in (top or ())
+            ]
             content.append(
-                {
-                    "token": s,
-                    "logprob": lp,
-                    "bytes": list(s.encode()),
-                    "top_logprobs": [
-                        {
-                            "token": (t := self._token_text(i)),
-                            "logprob": v,
-                            "bytes": list(t.encode()),
-                        }
-                        for i, v in (top or ())
-                    ],
-                }
+                TokenLogprob(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=tops)
             )
-        return {"content": content}
+        return ChatLogprobs(content=content)
 
-    def _completion_logprobs(self, entries: list[Any], offset: int) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
+    def _completion_logprobs(self, entries: list[_Logprob], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for tok, lp, top in entries:
             s = self._token_text(tok)
-            tokens.append(s)
-            token_lps.append(lp)
-            tops.append({self._token_text(i): v for i, v in top} if top else None)
-            offsets.append(offset)
+            out.tokens.append(s)
+            out.token_logprobs.append(lp)
+            out.top_logprobs.append({self._token_text(i): v for i, v in top} if top else None)
+            out.text_offset.append(offset)
             offset += len(s)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_lps,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
+        return out
 
     @staticmethod
-    def _usage(choices: Sequence[_Choice], prompt_lens: Sequence[int]) -> dict[str, int]:
+    def _usage(choices: Sequence[_Choice], prompt_lens: Sequence[int]) -> Usage:
         prompt = sum(prompt_lens)
         completion = sum(len(c.token_ids) for c in choices)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
 
     # -- endpoints -------------------------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self._check_model(req.model)
-        prompts = [self._encode(p) for p in req.prompts()]
-        k = req.logprobs
-        jobs = []
+        given = req.prompts()
+        prompts = (
+            [[self.document_start_id()]] if given is None else [self._encode(p) for p in given]
+        )
+        k, n = req.logprobs, req.num_choices
+        jobs: list[_Job] = []
         for p_idx, ids in enumerate(prompts):
-            max_tokens = self._max_tokens(len(ids), req.max_tokens, "prompt")
-            for j in range(req.n):
-                jobs.append((p_idx * req.n + j, ids, self._sampling(req, max_tokens, j, k)))
+            max_tokens = self._max_tokens(len(ids), req.max_tokens, "prompt", "max_tokens")
+            for j in range(n):
+                jobs.append((p_idx * n + j, ids, self._sampling(req, max_tokens, j, k)))
         prompt_lens = [len(p) for p in prompts]
         rid, created = f"cmpl-{uuid.uuid4().hex}", _now()
         choices = [_Choice(i, len(ids)) for i, ids, _ in jobs]
         if req.stream:
             return self._completion_stream(req, jobs, choices, prompt_lens, rid, created)
         await self._collect(jobs, choices)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": self._completion_logprobs(c.logprobs, 0) if k is not None else None,
-                    "finish_reason": c.finish_reason,
-                }
+        return Completion(
+            id=rid,
+            created=created,
+            model=self.model_name,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=c.text,
+                    logprobs=self._completion_logprobs(c.logprobs, 0) if k is not None else None,
+                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                )
                 for c in choices
             ],
-            "usage": self._usage(choices, prompt_lens),
-        }
+            usage=self._usage(choices, prompt_lens),
+        ).model_dump()
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self._check_model(req.model)
         try:
-            ids = chat_prompt_ids(self.tokenizer, req.conversation())
+            ids = chat_ids(
+                self.tokenizer, req.conversation(), self.limits.special_tokens_in_messages
+            )
         except RequestRejected as e:
-            raise APIError(400, f"{e}; use /v1/completions", e.param) from None
+            raise APIError(400, str(e), e.param) from None
         except Exception as e:  # noqa: BLE001 - a template may reject a conversation shape
             raise APIError(
-                400, f"the chat template rejected the messages: {e}", "messages"
+                400, f"this model's chat template refused the messages: {e}", "messages"
             ) from None
-        max_tokens = self._max_tokens(len(ids), req.requested_max_tokens(), "messages")
+        requested, field_name = req.requested_max_tokens()
+        max_tokens = self._max_tokens(len(ids), requested, "messages", field_name)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        jobs = [(j, ids, self._sampling(req, max_tokens, j, k)) for j in range(req.n)]
+        n = req.num_choices
+        jobs: list[_Job] = [(j, ids, self._sampling(req, max_tokens, j, k)) for j in range(n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", _now()
-        choices = [_Choice(j, len(ids)) for j in range(req.n)]
+        choices = [_Choice(j, len(ids)) for j in range(n)]
         if req.stream:
             return self._chat_stream(req, jobs, choices, [len(ids)], rid, created)
         await self._collect(jobs, choices)
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c.logprobs) if k is not None else None,
-                    "finish_reason": c.finish_reason,
-                }
+        return ChatCompletion(
+            id=rid,
+            created=created,
+            model=self.model_name,
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=c.text),
+                    logprobs=self._chat_logprobs(c.logprobs) if k is not None else None,
+                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                )
                 for c in choices
             ],
-            "usage": self._usage(choices, [len(ids)]),
-        }
+            usage=self._usage(choices, [len(ids)]),
+        ).model_dump()
 
-    async def _collect(
-        self, jobs: Sequence[tuple[int, list[int], SamplingParams]], choices: list[_Choice]
-    ) -> None:
+    async def _collect(self, jobs: Sequence[_Job], choices: list[_Choice]) -> None:
         async for d in self._merged(jobs):
             c = choices[d.index]
             c.text += d.text
@@ -399,7 +481,7 @@ class OpenAIServing:
     async def _completion_stream(
         self,
         req: CompletionRequest,
-        jobs: Any,
+        jobs: Sequence[_Job],
         choices: list[_Choice],
         prompt_lens: list[int],
         rid: str,
@@ -416,87 +498,65 @@ class OpenAIServing:
             if k is not None:
                 lp = self._completion_logprobs(d.logprobs, offsets[d.index])
                 offsets[d.index] += len(d.text)
-            chunk = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": d.index,
-                        "text": d.text,
-                        "logprobs": lp,
-                        "finish_reason": d.finish_reason,
-                    }
-                ],
-            }
-            yield _sse(chunk)
-        if req.stream_options and req.stream_options.include_usage:
+            choice = CompletionChoice(
+                index=d.index,
+                text=d.text,
+                logprobs=lp,
+                finish_reason=d.finish_reason,  # type: ignore[arg-type]
+            )
+            yield _sse(Completion(id=rid, created=created, model=self.model_name, choices=[choice]))
+        if req.include_usage:
+            usage = self._usage(choices, prompt_lens)
             yield _sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [],
-                    "usage": self._usage(choices, prompt_lens),
-                }
+                Completion(id=rid, created=created, model=self.model_name, choices=[], usage=usage)
             )
         yield "data: [DONE]\n\n"
 
     async def _chat_stream(
         self,
         req: ChatCompletionRequest,
-        jobs: Any,
+        jobs: Sequence[_Job],
         choices: list[_Choice],
         prompt_lens: list[int],
         rid: str,
         created: int,
     ) -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
-        base = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.model_name,
-        }
+
+        def chunk(*items: ChatChunkChoice, usage: Usage | None = None) -> str:
+            return _sse(
+                ChatCompletionChunk(
+                    id=rid, created=created, model=self.model_name, choices=list(items), usage=usage
+                )
+            )
+
         for c in choices:
-            yield _sse(
-                {
-                    **base,
-                    "choices": [
-                        {
-                            "index": c.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
+            first = ChatDelta(role="assistant", content="")
+            yield chunk(
+                ChatChunkChoice(index=c.index, delta=first, logprobs=None, finish_reason=None)
             )
         async for d in self._merged(jobs):
             c = choices[d.index]
             c.token_ids.extend(d.token_ids)
             if not d.text and d.finish_reason is None:
                 continue
-            delta = {"content": d.text} if d.text else {}
-            yield _sse(
-                {
-                    **base,
-                    "choices": [
-                        {
-                            "index": d.index,
-                            "delta": delta,
-                            "logprobs": self._chat_logprobs(d.logprobs) if k is not None else None,
-                            "finish_reason": d.finish_reason,
-                        }
-                    ],
-                }
+            yield chunk(
+                ChatChunkChoice(
+                    index=d.index,
+                    delta=ChatDelta(content=d.text or None),
+                    logprobs=self._chat_logprobs(d.logprobs) if k is not None else None,
+                    finish_reason=d.finish_reason,  # type: ignore[arg-type]
+                )
             )
-        if req.stream_options and req.stream_options.include_usage:
-            yield _sse({**base, "choices": [], "usage": self._usage(choices, prompt_lens)})
+        if req.include_usage:
+            yield chunk(usage=self._usage(choices, prompt_lens))
         yield "data: [DONE]\n\n"
 
 
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def _sse(event: BaseModel) -> str:
+    """One server-sent event. A chat delta leaves out the fields it does not carry."""
+    body = event.model_dump()
+    for choice in body.get("choices", ()):
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

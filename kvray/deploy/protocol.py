@@ -1,27 +1,178 @@
-"""OpenAI-compatible request bodies (pydantic) and the error body.
+"""OpenAI-compatible request and response bodies (pydantic), and the error body.
 
 Requests accept what OpenAI clients send; unknown extra fields are ignored (as vLLM does).
-Fields kvray cannot honour (penalties, logit_bias, echo, suffix, best_of > n) are refused
-with a 400 naming the field rather than silently ignored.
+Every field the OpenAI reference marks nullable accepts `null`, which means its default
+(`docs/api.md` has the table). `max_tokens: null` keeps vLLM's meaning instead: no limit
+from the client, so the server's default applies. Fields kvray cannot honour (penalties,
+logit_bias, echo, suffix, best_of != n, tools) are refused with a 400 naming the field
+rather than silently ignored.
+
+The response models are what the server sends: `openai.py` builds them, and the published
+OpenAPI document (`openapi.py`) is generated from these same classes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+
+
+# -- plain-words checks shared by the request models --------------------------------------------
+
+
+def json_kind(value: Any) -> str:
+    """How a JSON value reads in an error message: `a string`, `an array`, `null`, ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, HugeInt):
+        return f"an integer of {value.digits} digits"
+    if isinstance(value, int | float):
+        return f"the number {value!r}" if isinstance(value, int) else _float_words(value)
+    if isinstance(value, str):
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        return f"the string {shown!r}"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _float_words(value: float) -> str:
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "Infinity" if value > 0 else "-Infinity"
+    return f"the number {value!r}"
+
+
+class HugeInt:
+    """A JSON integer longer than Python converts (sys.get_int_max_str_digits): the parser
+    hands this marker on instead of raising, so validation can name the field."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<integer of {self.digits} digits>"
+
+
+def _well_formed(text: str) -> str:
+    """Refuse lone UTF-16 surrogates (valid JSON escapes, but not Unicode text)."""
+    for i, ch in enumerate(text):
+        if "\ud800" <= ch <= "\udfff":
+            raise ValueError(
+                f"contains a lone UTF-16 surrogate (\\u{ord(ch):04x} at character {i}), "
+                "which is not valid Unicode text; send well-formed text"
+            )
+    return text
+
+
+# A JSON string that is real Unicode text.
+Text = Annotated[str, AfterValidator(_well_formed)]
+
+
+def _integral(v: Any) -> Any:
+    """JSON has numbers, not ints: 3.0 is the integer 3 (as JSON Schema reads it)."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+# A JSON integer: an int or an integral number, never a boolean or a string.
+Int = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+def _published(*alternatives: dict[str, Any]) -> dict[str, Any]:
+    """The schema the OpenAPI document shows for a field that validators narrow further
+    than its type: the alternatives it accepts, or null."""
+    return {"anyOf": [*alternatives, {"type": "null"}]}
+
+
+def _prompt_shape(v: Any) -> Any:
+    """Accept exactly: a string, a list of strings, a list of token ids, or a list of
+    token-id lists (each non-empty); say which rule a value breaks in plain words."""
+    want = (
+        "must be a string, an array of strings, an array of token ids (integers), or an "
+        "array of token-id arrays"
+    )
+
+    def is_id(x: Any) -> bool:
+        if isinstance(x, float):
+            return x.is_integer()
+        return isinstance(x, int | HugeInt) and not isinstance(x, bool)
+
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise ValueError(f"{want}; got {json_kind(v)}")
+    if not v:
+        raise ValueError("must not be an empty array")
+    if all(isinstance(x, str) for x in v) or all(is_id(x) for x in v):
+        return v
+    if all(isinstance(x, list) for x in v):
+        for i, p in enumerate(v):
+            if not p:
+                raise ValueError(f"item {i} is an empty token-id array")
+            for j, x in enumerate(p):
+                if isinstance(x, list):
+                    raise ValueError(f"{want}; got arrays nested more than 2 deep (item {i})")
+                if not is_id(x):
+                    raise ValueError(
+                        f"item {i} must be an array of token ids (integers); item {i}[{j}] "
+                        f"is {json_kind(x)}"
+                    )
+        return v
+    kinds = sorted({_item_kind(x) for x in v})
+    raise ValueError(f"{want}; got an array mixing {', '.join(kinds)}")
+
+
+def _item_kind(x: Any) -> str:
+    if isinstance(x, list):
+        return "arrays"
+    if isinstance(x, str):
+        return "strings"
+    if isinstance(x, int) and not isinstance(x, bool):
+        return "integers"
+    return {type(None): "nulls", bool: "booleans", float: "numbers", dict: "objects"}.get(
+        type(x), type(x).__name__
+    )
+
+
+def _stop_shape(v: Any) -> Any:
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return v
+    if isinstance(v, list):
+        bad = next(s for s in v if not isinstance(s, str))
+        raise ValueError(f"must be a string or an array of strings; an item is {json_kind(bad)}")
+    raise ValueError(f"must be a string or an array of strings; got {json_kind(v)}")
+
+
+PromptField = Annotated[
+    Text | list[Text] | list[Int] | list[list[Int]], BeforeValidator(_prompt_shape)
+]
+StopField = Annotated[Text | list[Text] | None, BeforeValidator(_stop_shape)]
 
 
 def error_body(
@@ -30,60 +181,77 @@ def error_body(
     param: str | None = None,
     code: str | int | None = None,
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return ErrorResponse(
+        error=ErrorDetail(message=message, type=type_, param=param, code=code)
+    ).model_dump()
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+# -- requests ---------------------------------------------------------------------------------
 
 
-class _SamplingFields(BaseModel):
+class _Request(BaseModel):
+    """`null` for a field with a non-null default means that default (the OpenAI
+    reference's meaning), except for the fields in `_null_is_a_value`. Values are taken
+    as JSON types, not coerced: `true` is no number and `"1"` no integer."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    _null_is_a_value: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if not (
+                v is None
+                and k in fields
+                and not fields[k].is_required()
+                and fields[k].default is not None
+                and k not in cls._null_is_a_value
+            )
+        }
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool | None = False
+
+
+class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**63)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
-    ignore_eos: StrictBool = False
-    stream: StrictBool = False
+    model: Text | None = Field(default=None, description="default: the served model")
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=100.0, description="default 1")
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, description="default 1")
+    top_k: Int | None = Field(default=None, ge=-1, description="-1: off (vLLM extra)")
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0, description="vLLM extra")
+    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    stop: StopField = Field(
+        default=None,
+        description=f"at most {MAX_STOP} strings",
+        json_schema_extra=_published(
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
+        ),
+    )
+    stop_token_ids: list[Int] | None = Field(default=None, description="vLLM extra")
+    n: Int | None = Field(default=1, ge=1, le=MAX_N)
+    ignore_eos: StrictBool | None = Field(default=False, description="vLLM extra")
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    # Accepted only in their "off" form: kvray has no tool calling or constrained output.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tool calling is not supported by kvray")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v: Any) -> Any:
-        if v not in (None, "none", "auto"):
-            raise ValueError("tool calling is not supported by kvray")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and v.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported by kvray")
-        return v
+    user: Text | None = None
+    presence_penalty: StrictFloat | None = Field(
+        default=None, ge=-2.0, le=2.0, json_schema_extra=_published({"const": 0})
+    )
+    frequency_penalty: StrictFloat | None = Field(
+        default=None, ge=-2.0, le=2.0, json_schema_extra=_published({"const": 0})
+    )
+    logit_bias: dict[str, StrictFloat] | None = Field(
+        default=None, json_schema_extra=_published({"type": "object", "maxProperties": 0})
+    )
 
     @field_validator("stop")
     @classmethod
@@ -92,86 +260,109 @@ class _SamplingFields(BaseModel):
             return None
         stops = [v] if isinstance(v, str) else v
         if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are supported")
+            raise ValueError(f"at most {MAX_STOP} stop sequences are supported, got {len(stops)}")
         if any(s == "" for s in stops):
-            raise ValueError("stop sequences must be non-empty")
+            raise ValueError("stop sequences must be non-empty strings")
         return stops
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _no_penalty(cls, v: float | None) -> float | None:
         if v:
-            raise ValueError("penalties are not supported by kvray (use 0 or omit it)")
+            raise ValueError(f"penalties are not supported by kvray (send 0 or omit it), got {v}")
         return v
 
     @field_validator("logit_bias")
     @classmethod
     def _no_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v:
-            raise ValueError("logit_bias is not supported by kvray")
+            raise ValueError("logit_bias is not supported by kvray (send {} or omit it)")
         return v
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: StrictBool = False
-    suffix: str | None = None
-    best_of: StrictInt | None = Field(default=None, ge=1)
+    _null_is_a_value: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if any(isinstance(p, list) and not p for p in v):
-                raise ValueError("a token-id prompt must not be empty")
-        return v
+    prompt: PromptField | None = Field(
+        description="null: generate from the start of a document (the model's BOS token)"
+    )
+    max_tokens: Int | None = Field(
+        default=16, ge=1, description="null: up to the server's default (--max-tokens-default)"
+    )
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: StrictBool | None = Field(default=False, json_schema_extra=_published({"const": False}))
+    suffix: Text | None = Field(
+        default=None, json_schema_extra=_published({"type": "string", "maxLength": 0})
+    )
+    best_of: Int | None = Field(default=None, ge=1, description="only equal to n")
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
+    def _no_echo(cls, v: bool | None) -> bool | None:
         if v:
-            raise ValueError("echo is not supported by kvray")
+            raise ValueError("echo is not supported by kvray (send false or omit it)")
         return v
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
         if v:
-            raise ValueError("suffix is not supported by kvray")
+            raise ValueError("suffix is not supported by kvray (send an empty string or omit it)")
         return v
 
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and v != info.data.get("n", 1):
-            raise ValueError("best_of must equal n (kvray does not rank candidates)")
+        n = info.data.get("n") or 1
+        if v is not None and v != n:
+            raise ValueError(f"must equal n ({n}): kvray does not rank candidates, got {v}")
         return v
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt field as a list of prompts (strings or token-id lists)."""
+    def prompts(self) -> list[str | list[int]] | None:
+        """The prompt field as a list of prompts (strings or token-id lists); None for a
+        null prompt."""
         p = self.prompt
+        if p is None:
+            return None
         if isinstance(p, str):
             return [p]
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _content_shape(v: Any) -> Any:
+    if v is None or isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise ValueError(f"must be a string or an array of text parts; got {json_kind(v)}")
+    for i, part in enumerate(v):
+        if not isinstance(part, dict):
+            raise ValueError(f"part {i} must be an object, not {json_kind(part)}")
+        kind = part.get("type")
+        if kind != "text":
+            shown = repr(kind) if isinstance(kind, str) else json_kind(kind)
+            raise ValueError(f"part {i} has type {shown}; kvray takes text parts only")
+    return v
+
+
+class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Annotated[Text | list[TextPart] | None, BeforeValidator(_content_shape)] = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -183,20 +374,181 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: Int | None = Field(
+        default=None, ge=1, description="null: up to the server's default"
+    )
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Accepted only in their "off" form: kvray has no tool calling or constrained output.
+    tools: list[Any] | None = Field(
+        default=None, json_schema_extra=_published({"type": "array", "maxItems": 0})
+    )
+    tool_choice: Any = Field(default=None, json_schema_extra=_published({"enum": ["none", "auto"]}))
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_published({"type": "object", "properties": {"type": {"const": "text"}}}),
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("tool calling is not supported by kvray (send [] or omit it)")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v: Any) -> Any:
+        if v not in (None, "none", "auto"):
+            raise ValueError(
+                f"tool calling is not supported by kvray (send 'none'), got {json_kind(v)}"
+            )
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v and v.get("type") != "text":
+            raise ValueError(
+                "only {'type': 'text'} is supported by kvray, got type "
+                f"{json_kind(v.get('type'))}"
+            )
+        return v
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise ValueError("needs logprobs: true")
         return v
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(the client's limit or None, the field it came from)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# -- responses --------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class Completion(BaseModel):
+    """A /v1/completions response, or (object the same) one event of its stream."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]

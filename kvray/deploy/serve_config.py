@@ -69,6 +69,16 @@ class ServeArgs(BaseModel):
     app_name: str = "kvray"
     compiled: bool = True
     worker_cpus: float = Field(default=1.0, ge=0)
+    public_paths: list[Literal["/metrics", "/openapi.json"]] = Field(
+        default_factory=list, description="left open when an API key is set (/health always is)"
+    )
+    max_tokens_default: int | None = Field(
+        default=None, gt=0, description="tokens when a request sets no limit; None: the context"
+    )
+    max_tokens_cap: int | None = Field(default=None, gt=0, description="refuse larger requests")
+    special_tokens_in_messages: bool = Field(
+        default=False, description="let typed special-token text in chat be special (vLLM)"
+    )
 
 
 def _none_if_blank(value: Any) -> Any:
@@ -130,6 +140,10 @@ def settings_from_args(args: dict[str, Any] | ServeArgs) -> ServeSettings:
         api_key=_api_key(args),
         compiled=args.compiled,
         worker_cpus=args.worker_cpus,
+        public_paths=tuple(args.public_paths),
+        max_tokens_default=args.max_tokens_default,
+        max_tokens_cap=args.max_tokens_cap,
+        special_tokens_in_messages=args.special_tokens_in_messages,
     )
 
 

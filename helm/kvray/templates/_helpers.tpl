@@ -58,6 +58,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/* The name clients send as "model" (mirrors kvray.deploy.serve_config._model_name). */}}
+{{/* With an API key, kvray's /metrics needs it too: the scrape sends it from the Secret. */}}
+{{- define "kvray.metricsAuth" -}}
+{{- if .Values.apiKey.enabled }}
+authorization:
+  type: Bearer
+  credentials:
+    name: {{ include "kvray.apiKeySecretName" . }}
+    key: {{ .Values.apiKey.secretKey }}
+{{- end }}
+{{- end }}
+
 {{- define "kvray.servedModelName" -}}
 {{- if .Values.model.servedModelName }}
 {{- .Values.model.servedModelName }}

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API on Ray Serve, end to end on the embedded SmolLM2.
 
-One Serve app per module (the embedded model, float32, a 64-page KV pool so the pool, not the
+One Serve app for the package (the embedded model, float32, a 64-page KV pool so the pool, not the
 model, bounds the context), driven with the official `openai` client and raw `httpx`:
 completions and chat (streamed and not, n, stop strings, seeds, usage, logprobs), a
 malformed-input suite that must always answer 4xx with an OpenAI error body, client
@@ -9,183 +9,31 @@ disconnects that must free every page, and the Prometheus metrics.
 
 from __future__ import annotations
 
-import json
-import socket
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 import ray
-from prometheus_client.parser import text_string_to_metric_families
 
-MODEL = "SmolLM2-135M-Instruct"
-APP = "kvray"
-SCHEDULER_PREFIX = f"kvray-scheduler-{APP}-"
-PAGE_SIZE = 16
-NUM_PAGES = 64
-CONTEXT = NUM_PAGES * PAGE_SIZE  # 1024 < the model's 8192: the KV pool bounds a sequence
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+from .serve_helpers import (
+    CONTEXT,
+    FRANCE,
+    MODEL,
+    PAGE_SIZE,
+    assert_engine_clean,
+    chat_ids,
+    metrics,
+    sample,
+    scheduler,
+    sse_events,
+)
 
 pytestmark = [
     pytest.mark.timeout(300),
     # Ray Serve's own config models still use pydantic v1-style Field extras.
     pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`"),
 ]
-
-
-# -- fixtures -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> None:
-    if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from kvray.models.embedded import ensure_embedded_model
-
-    return ensure_embedded_model(progress=False)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serve_app(model_dir: Path, api_key: str | None = None) -> Iterator[str]:
-    """Run the kvray Serve app; yields its root URL. Deletes it and stops Serve after."""
-    from ray import serve
-
-    from kvray.config import EngineConfig
-    from kvray.deploy.app import ServeSettings, build_app
-
-    config = EngineConfig(
-        model=str(model_dir), num_pages=NUM_PAGES, page_size=PAGE_SIZE, dtype="float32"
-    )
-    settings = ServeSettings(
-        engine=config.model_dump(), model_name=MODEL, app_name=APP, api_key=api_key
-    )
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app(settings), name=APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.delete(APP)
-        finally:
-            serve.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(ray_session: None, model_dir: Path) -> Iterator[str]:
-    with serve_app(model_dir) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(server: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server, timeout=120) as c:
-        yield c
-
-
-# -- helpers ----------------------------------------------------------------------------------
-
-
-def scheduler() -> Any:
-    """The one live scheduler actor of the app."""
-    live = []
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if not a["name"].startswith(SCHEDULER_PREFIX):
-            continue
-        try:
-            actor = ray.get_actor(a["name"], namespace=a["namespace"])
-            ray.get(actor.stats.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - one left over from an app being deleted
-            continue
-        live.append(actor)
-    assert len(live) == 1, f"expected one live engine, found {len(live)}"
-    return live[0]
-
-
-def assert_engine_clean(timeout_s: float = 30.0) -> dict[str, Any]:
-    """No request left on the engine, page accounting balances, and once the prefix cache
-    is flushed every page is free. Returns the final stats."""
-    actor = scheduler()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = ray.get(actor.stats.remote())
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
-            ray.get(actor.flush_cache.remote())
-            if ray.get(actor.is_idle_and_empty.remote()):
-                break
-        if time.monotonic() > deadline:
-            raise AssertionError(f"engine not idle and empty after {timeout_s}s: {stats}")
-        time.sleep(0.1)
-    ray.get(actor.check_integrity.remote())
-    return ray.get(actor.stats.remote())
-
-
-def metrics(http: httpx.Client) -> dict[str, Any]:
-    """/metrics parsed: {family name: family}."""
-    r = http.get("/metrics")
-    assert r.status_code == 200, r.text
-    return {f.name: f for f in text_string_to_metric_families(r.text)}
-
-
-def sample(families: dict[str, Any], name: str, suffix: str = "", **labels: str) -> float:
-    """The value of `name + suffix` whose labels include `labels` (model_name implied)."""
-    want = {"model_name": MODEL, **labels}
-    hits = [
-        s.value
-        for s in families[name].samples
-        if s.name == name + suffix and all(s.labels.get(k) == v for k, v in want.items())
-    ]
-    assert len(hits) == 1, f"{name}{suffix} {want}: {hits}"
-    return hits[0]
-
-
-def sse_events(resp: httpx.Response) -> list[dict[str, Any]]:
-    """Every `data:` event of a finished SSE response; the stream must end with [DONE]."""
-    events, done = [], False
-    for line in resp.iter_lines():
-        if not line:
-            continue
-        assert line.startswith("data: "), line
-        assert not done, "data after [DONE]"
-        payload = line[len("data: ") :]
-        if payload == "[DONE]":
-            done = True
-        else:
-            events.append(json.loads(payload))
-    assert done, "the stream did not end with data: [DONE]"
-    return events
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 # -- the happy path with the official client ----------------------------------------------------

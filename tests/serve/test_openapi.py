@@ -1,0 +1,168 @@
+"""The published contract: GET /openapi.json is a valid OpenAPI 3.1 document generated from
+the pydantic models, and a property-based fuzzer (schemathesis) driven by that document
+finds no 5xx and no response that breaks its documented schema, streams included."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openapi_spec_validator import validate
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from kvray.deploy.openapi import build_openapi
+
+from .serve_helpers import FRANCE, MODEL, assert_engine_clean
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`"),
+]
+
+FUZZ_EXAMPLES = 50  # per operation
+FUZZ_MAX_TOKENS = 4  # generation is the slow part: keep each fuzzed request short
+
+
+@pytest.fixture(scope="module")
+def document(http: httpx.Client) -> dict[str, Any]:
+    r = http.get("/openapi.json")
+    assert r.status_code == 200
+    return r.json()
+
+
+def test_document_is_valid_openapi_3_1(document: dict[str, Any]) -> None:
+    assert document["openapi"].startswith("3.1")
+    validate(document)  # raises on any violation of the OpenAPI 3.1 specification
+
+
+def test_document_describes_every_body(document: dict[str, Any]) -> None:
+    paths = document["paths"]
+    schemas = document["components"]["schemas"]
+    for path, request, whole, chunk in (
+        ("/v1/completions", "CompletionRequest", "Completion", "Completion"),
+        ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
+    ):
+        op = paths[path]["post"]
+        body = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert body.endswith(f"/{request}")
+        ok = op["responses"]["200"]["content"]
+        assert ok["application/json"]["schema"]["$ref"].endswith(f"/{whole}")
+        data = ok["text/event-stream"]["schema"]["properties"]["data"]["anyOf"]
+        assert data[0] == {"const": "[DONE]"}
+        events = data[1]["contentSchema"]["anyOf"]
+        assert {e["$ref"].rsplit("/", 1)[1] for e in events} == {chunk, "ErrorResponse"}
+        for status in ("400", "401", "404", "503"):
+            err = op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+            assert err.endswith("/ErrorResponse")
+    # the request bodies are the real ones: fields, bounds and nullability
+    cmpl = schemas["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "n", "stream", "echo", "logprobs"} <= set(cmpl)
+    assert {"type": "null"} in cmpl["stream"]["anyOf"] and {"type": "null"} in cmpl["n"]["anyOf"]
+    assert schemas["CompletionRequest"]["required"] == ["prompt"]
+    assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
+    assert set(schemas["ErrorResponse"]["properties"]) == {"error"}
+    assert set(schemas["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
+    assert paths["/metrics"]["get"]["responses"]["200"]["content"] == {
+        "text/plain": {"schema": {"type": "string"}}
+    }
+    assert document["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+    assert paths["/health"]["get"]["security"] == []
+
+
+def test_secured_document_requires_the_key() -> None:
+    doc = build_openapi(MODEL, secured=True, public_paths=["/metrics"])
+    validate(doc)
+    assert doc["security"] == [{"apiKey": []}]
+    assert doc["paths"]["/metrics"]["get"]["security"] == []
+    assert "security" not in doc["paths"]["/openapi.json"]["get"]
+    assert "401" in doc["paths"]["/v1/models"]["get"]["responses"]
+
+
+# -- the fuzzer -----------------------------------------------------------------------------------
+
+
+def _bounded(case: Any) -> None:
+    """Keep each fuzzed generation short; only the token budget is touched."""
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > FUZZ_MAX_TOKENS:
+            body[key] = FUZZ_MAX_TOKENS
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = FUZZ_MAX_TOKENS
+
+
+def _with_stream(case_and_flag: tuple[Any, bool]) -> Any:
+    case, stream = case_and_flag
+    if isinstance(case.body, dict):
+        case.body["stream"] = stream
+    return case
+
+
+CHECKS = (
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzz_generation_endpoint(server: str, document: dict[str, Any], path: str) -> None:
+    """Bodies that follow the document and bodies that break it (schemathesis's positive
+    and negative modes): never a 5xx, every response as documented, and what breaks the
+    document is refused with a 4xx."""
+    schema = schemathesis.openapi.from_dict(document)
+    schema.config.update(base_url=server, request_timeout=120)
+    operation = schema[path]["POST"]
+    # Half the valid bodies are sent as streams, whatever `stream` the fuzzer chose.
+    streamed = st.tuples(operation.as_strategy(GenerationMode.POSITIVE), st.booleans()).map(
+        _with_stream
+    )
+    cases = st.one_of(streamed, operation.as_strategy(GenerationMode.NEGATIVE))
+
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=cases)
+    def fuzz(case: Any) -> None:
+        _bounded(case)
+        response = case.call(timeout=120)
+        kind = (response.headers.get("content-type") or [""])[0].split(";")[0]
+        seen[(response.status_code, kind)] += 1
+        case.validate_response(response, checks=CHECKS)
+
+    seen: Counter[tuple[int, str]] = Counter()
+    fuzz()
+    # The fuzz reached both sides: served generations (JSON and streams) and refusals.
+    assert seen[(200, "application/json")] and seen[(200, "text/event-stream")], seen
+    assert sum(n for (status, _), n in seen.items() if status == 400) >= 10, seen
+
+
+def test_still_serving_after_the_fuzz(server: str) -> None:
+    with httpx.Client(base_url=server, timeout=120) as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 24},
+        )
+    assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+    assert_engine_clean()
