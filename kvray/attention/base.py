@@ -67,8 +67,9 @@ class AttnMetadata:
         `positions` (those positions, flat, on the table's device) may be passed where the
         caller has them already (`StepPlan.positions`)."""
         device = page_table.device
-        starts_t = torch.as_tensor(starts, dtype=torch.int64).cpu()
-        lens_q = torch.as_tensor(extend_lens, dtype=torch.int64).cpu()
+        # Copies (plans may arrive as read-only buffers), on the host.
+        starts_t = torch.from_numpy(np.array(starts, dtype=np.int64))
+        lens_q = torch.from_numpy(np.array(extend_lens, dtype=np.int64))
         if starts_t.shape != lens_q.shape or bool((lens_q <= 0).any()):
             raise ValueError("every request must compute at least one token")
         lens_k = starts_t + lens_q
