@@ -1,17 +1,97 @@
-"""Every knob of the engine, validated once (pydantic, frozen).
+"""Every setting of an engine, declared once (pydantic, frozen).
 
-`EngineConfig` is the one source of truth; `SchedulerConfig` is the slice of it that the
-scheduler needs (the scheduler never sees model or device settings).
+`EngineConfig` is the one declaration: each field carries its default, its bounds and its
+documentation, and everything else is derived from it — `LLM(**kwargs)`, the `kvray`
+command's flags (`kvray.deploy.flags`), the serve config that Ray Serve and the Helm chart
+use (`kvray.deploy.settings.ServeConfig` extends it with the server's own settings).
+`SchedulerConfig` is the slice the scheduler needs, its fields taken from `EngineConfig`'s,
+plus the two numbers only a checkpoint can settle (pool size and longest sequence).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.fields import FieldInfo
 
 CachePolicy = Literal["radix", "naive"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+def cli_aliases(*flags: str) -> dict[str, Any]:
+    """Extra command-line spellings of a field's flag (its own is --field-name)."""
+    return {"cli_aliases": list(flags)}
+
+
+class EngineConfig(BaseModel):
+    """One engine: model, parallelism, KV pool and scheduling."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(
+        default=None,
+        description="Hugging Face checkpoint directory; None: the embedded SmolLM2-135M-Instruct",
+    )
+    tp_size: int = Field(
+        default=1,
+        gt=0,
+        description="tensor-parallel ranks (GPUs) per engine",
+        json_schema_extra=cli_aliases("--tp"),
+    )
+    dtype: DType = Field(
+        default="auto",
+        description="weights and KV dtype; auto follows the checkpoint, running float32 "
+        "checkpoints in bfloat16 (ask for float32 for exact-reference runs)",
+    )
+    device: Device = Field(
+        default="auto", description="where the model runs; auto: CUDA when there is a GPU"
+    )
+    page_size: int = Field(default=16, gt=0, description="tokens per KV page")
+    num_pages: int | None = Field(
+        default=None, gt=0, description="KV pages per rank; None: sized by kv_cache_memory_gb"
+    )
+    kv_cache_memory_gb: float = Field(
+        default=2.0, gt=0, description="KV pool per rank, in GiB, when num_pages is None"
+    )
+    cache_policy: CachePolicy = Field(
+        default="radix",
+        description="prefix cache: radix shares prefixes between requests, naive does not",
+        json_schema_extra=cli_aliases("--cache"),
+    )
+    max_running_reqs: int = Field(
+        default=256,
+        gt=0,
+        description="requests decoding at once (page_table rows)",
+        json_schema_extra=cli_aliases("--max-running"),
+    )
+    max_prefill_tokens: int = Field(
+        default=2048, gt=0, description="prompt tokens computed per step (the prefill chunk)"
+    )
+    max_seq_len: int | None = Field(
+        default=None, gt=1, description="longest prompt + output; None: the model's context"
+    )
+    attention_backend: str = Field(
+        default="auto",
+        min_length=1,
+        description="attention kernels; auto: flash_attn or triton on CUDA, cpu or torch on CPUs",
+    )
+    seed: int = Field(default=0, description="seeds requests that bring none of their own")
+    placement_strategy: PlacementStrategy = Field(
+        default="PACK", description="Ray placement of one engine's TP workers"
+    )
+
+    def scheduler_config(self, num_pages: int, max_seq_len: int) -> SchedulerConfig:
+        shared = {name: getattr(self, name) for name in SchedulerConfig.shared_fields()}
+        return SchedulerConfig(num_pages=num_pages, max_seq_len=max_seq_len, **shared)
+
+
+def _engine_field(name: str) -> Any:
+    """EngineConfig's declaration of `name` (default, bounds, description), to share."""
+    field: FieldInfo = EngineConfig.model_fields[name]
+    return field
 
 
 class SchedulerConfig(BaseModel):
@@ -22,13 +102,16 @@ class SchedulerConfig(BaseModel):
     num_pages: int = Field(
         gt=0, description="usable KV pages (the pool has one more, the dummy page)"
     )
-    page_size: int = Field(default=16, gt=0, description="tokens per KV page")
-    max_running_reqs: int = Field(default=256, gt=0, description="page_table rows")
-    max_prefill_tokens: int = Field(
-        default=2048, gt=0, description="prefill tokens computed per step (the chunk budget)"
-    )
-    max_seq_len: int = Field(default=4096, gt=1, description="longest prompt + output")
-    cache_policy: CachePolicy = "radix"
+    max_seq_len: int = Field(gt=1, description="longest prompt + output (resolved)")
+    page_size: int = _engine_field("page_size")
+    max_running_reqs: int = _engine_field("max_running_reqs")
+    max_prefill_tokens: int = _engine_field("max_prefill_tokens")
+    cache_policy: CachePolicy = _engine_field("cache_policy")
+
+    @classmethod
+    def shared_fields(cls) -> list[str]:
+        """The fields taken from EngineConfig as they are."""
+        return [name for name in cls.model_fields if name not in ("num_pages", "max_seq_len")]
 
     @property
     def num_tokens(self) -> int:
@@ -38,36 +121,3 @@ class SchedulerConfig(BaseModel):
     def effective_max_seq_len(self) -> int:
         """A sequence can never be longer than the model allows or the pool holds."""
         return min(self.max_seq_len, self.num_tokens)
-
-
-class EngineConfig(BaseModel):
-    """One engine: model, parallelism, KV pool and scheduling knobs."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
-
-    model: str | None = Field(
-        default=None, description="HF checkpoint dir; None = embedded SmolLM2"
-    )
-    tp_size: int = Field(default=1, gt=0)
-    dtype: DType = "auto"
-    page_size: int = Field(default=16, gt=0)
-    num_pages: int | None = Field(default=None, gt=0, description="None = sized from memory")
-    kv_cache_memory_gb: float = Field(default=2.0, gt=0, description="used when num_pages is None")
-    cache_policy: CachePolicy = "radix"
-    max_running_reqs: int = Field(default=256, gt=0)
-    max_prefill_tokens: int = Field(default=2048, gt=0)
-    max_seq_len: int | None = Field(default=None, gt=1, description="None = the model's context")
-    attention_backend: str = "auto"
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when the cluster has GPUs
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-
-    def scheduler_config(self, num_pages: int, max_seq_len: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            num_pages=num_pages,
-            page_size=self.page_size,
-            max_running_reqs=self.max_running_reqs,
-            max_prefill_tokens=self.max_prefill_tokens,
-            max_seq_len=max_seq_len,
-            cache_policy=self.cache_policy,
-        )

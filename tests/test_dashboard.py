@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvray.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvray-dashboard.json"
@@ -166,12 +167,6 @@ def test_dashboard_promql_parses():
 # -- the live server -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_running(ray) -> bool:
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
@@ -198,12 +193,12 @@ def live_metrics(ray_session) -> dict[str, Any]:
     from prometheus_client.parser import text_string_to_metric_families
     from ray import serve
 
-    from kvray.config import EngineConfig
-    from kvray.deploy.app import ServeSettings, build_app
+    from kvray.deploy.app import build_app
+    from kvray.deploy.settings import ServeConfig
     from kvray.models.embedded import ensure_embedded_model
 
     already_running = _serve_running(ray_session)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:  # Serve may already run (started by another module) on its own port
         from ray.serve.context import _get_global_client
@@ -212,11 +207,12 @@ def live_metrics(ray_session) -> dict[str, Any]:
         port = ray_session.get(controller.get_http_config.remote()).port
     except Exception:  # noqa: BLE001 - private API; the port asked for is right otherwise
         pass
-    settings = ServeSettings(
-        engine=EngineConfig(model=str(ensure_embedded_model()), num_pages=256).model_dump(),
-        model_name=MODEL_NAME,
+    settings = ServeConfig(
+        model=str(ensure_embedded_model()),
+        num_pages=256,
+        served_model_name=MODEL_NAME,
         app_name=APP_NAME,
-    )
+    ).resolved()
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
     try:
         base = f"http://127.0.0.1:{port}"

@@ -149,7 +149,11 @@ def test_tiny_greedy_matches_hf(tiny, variant: str, page_size: int, cache: str) 
     """Every prompt is chunked (8 prefill tokens a step); batched == one at a time == HF."""
     path, refs = tiny[variant]
     llm = new_llm(
-        path, page_size=page_size, cache=cache, max_prefill_tokens=8, num_pages=1024 // page_size
+        path,
+        page_size=page_size,
+        cache_policy=cache,
+        max_prefill_tokens=8,
+        num_pages=1024 // page_size,
     )
     params = [greedy(m) for m in TINY_MAX_TOKENS]
     batched = llm.generate(TINY_PROMPTS, params)
@@ -179,7 +183,7 @@ def test_tiny_greedy_under_memory_pressure(tiny, variant, cache, page_size) -> N
     llm = new_llm(
         path,
         page_size=page_size,
-        cache=cache,
+        cache_policy=cache,
         num_pages=80 // page_size,
         max_prefill_tokens=8,
         max_running_reqs=4,
@@ -224,8 +228,8 @@ def _shared_prefix_pair() -> tuple[list[int], list[int]]:
 def test_prefix_reuse_after_finish(tiny, page_size: int) -> None:
     path, _ = tiny["llama"]
     first, second = _shared_prefix_pair()
-    radix = new_llm(path, page_size=page_size, cache="radix", num_pages=1024 // page_size)
-    naive = new_llm(path, page_size=page_size, cache="naive", num_pages=1024 // page_size)
+    radix = new_llm(path, page_size=page_size, cache_policy="radix", num_pages=1024 // page_size)
+    naive = new_llm(path, page_size=page_size, cache_policy="naive", num_pages=1024 // page_size)
     sp = greedy(8)
     (a,) = radix.generate(first, sp)
     assert a.num_cached_tokens == 0
@@ -252,9 +256,13 @@ def test_prefix_reuse_while_first_request_runs(tiny, page_size: int) -> None:
     path, refs = tiny["qwen2"]
     first, second = _shared_prefix_pair()
     radix = new_llm(
-        path, page_size=page_size, cache="radix", num_pages=1024 // page_size, max_prefill_tokens=8
+        path,
+        page_size=page_size,
+        cache_policy="radix",
+        num_pages=1024 // page_size,
+        max_prefill_tokens=8,
     )
-    naive = new_llm(path, page_size=page_size, cache="naive", num_pages=1024 // page_size)
+    naive = new_llm(path, page_size=page_size, cache_policy="naive", num_pages=1024 // page_size)
     sp = greedy(8)
     got = radix.generate([first, second], sp)
     assert got[1].num_cached_tokens >= PREFIX_LEN - page_size + 1
@@ -299,7 +307,7 @@ def test_seeded_sampling_is_reproducible(smol) -> None:
     assert batch[3].token_ids == alone.token_ids
 
     # Another engine: other page size, cache policy and engine seed.
-    other = new_llm(None, num_pages=64, page_size=4, cache="naive", seed=7)
+    other = new_llm(None, num_pages=64, page_size=4, cache_policy="naive", seed=7)
     (there,) = other.generate([prompt], [_sampling(seed)])
     assert there.token_ids == alone.token_ids
 

@@ -4,7 +4,10 @@
   and for the 2 replicas x TP 4 example (helm/kvray/ci/tp4-values.yaml); a bad values file
   must fail the same lint.
 - values.yaml and the example against values.schema.json (jsonschema); bad values rejected.
-- kvray.deploy.serve_config: the serve config `args` -> ServeSettings mapping, without Serve.
+- kvray.deploy.serve_config: the serve config `args` -> ServeConfig mapping, without Serve.
+- The chart against `ServeConfig` (the one declaration of every setting): each setting has
+  its value in the chart, with the same bounds and choices in values.schema.json, and a
+  value set in the chart reaches the application's settings.
 - When helm-python-sdk is installed too, the chart is rendered offline (Helm's engine) and
   the rendered serveConfigV2 is fed back through the builder: what the chart writes is what
   the application accepts.
@@ -17,7 +20,6 @@ import copy
 import json
 import os
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,8 @@ import jsonschema
 import pytest
 import yaml
 
-from kvray.deploy.app import ServeSettings
 from kvray.deploy.serve_config import IMPORT_PATH, app_builder, settings_from_args
+from kvray.deploy.settings import ServeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kvray"
@@ -210,7 +212,7 @@ def test_schema_rejects_a_bad_values_file(tmp_path):
 # -- the application builder (kvray.deploy.serve_config) --------------------------------------
 
 
-def test_app_builder_maps_args_onto_serve_settings(monkeypatch):
+def test_app_builder_maps_args_onto_serve_config(monkeypatch):
     monkeypatch.setenv("TEST_KVRAY_KEY", "s3cret")
     settings = settings_from_args(
         {
@@ -233,8 +235,8 @@ def test_app_builder_maps_args_onto_serve_settings(monkeypatch):
             "worker_cpus": 2,
         }
     )
-    assert isinstance(settings, ServeSettings)
-    assert settings.model_name == "Qwen2.5-7B-Instruct"  # the checkpoint dir's name
+    assert isinstance(settings, ServeConfig)
+    assert settings.served_model_name == "Qwen2.5-7B-Instruct"  # the checkpoint dir's name
     assert settings.replicas == 2
     assert settings.api_key == "s3cret"
     assert settings.app_name == "llm"
@@ -252,13 +254,13 @@ def test_app_builder_defaults_serve_the_embedded_model():
 
     settings = settings_from_args({})
     assert settings.engine_config.model is None
-    assert settings.model_name == EMBEDDED_MODEL_NAME
+    assert settings.served_model_name == EMBEDDED_MODEL_NAME
     assert settings.api_key is None and settings.replicas == 1
     assert settings.engine_config.tp_size == 1 and settings.engine_config.cache_policy == "radix"
     # Blank strings (an empty Helm value) mean "not set".
     assert settings_from_args({"model": "", "served_model_name": ""}) == settings
     named = settings_from_args({"model": "/m/llama", "served_model_name": "llama-3"})
-    assert named.model_name == "llama-3"
+    assert named.served_model_name == "llama-3"
 
 
 def test_app_builder_api_key(monkeypatch):
@@ -300,7 +302,7 @@ def test_app_builder_through_serve_import_path(monkeypatch):
     assert isinstance(app, Application)
     ingress = app._bound_deployment
     engine_app, raw = ingress.init_args
-    assert raw == asdict(settings_from_args(args))
+    assert raw == settings_from_args(args).model_dump()
     assert engine_app._bound_deployment.num_replicas == 3  # data-parallel engines
 
 
@@ -385,7 +387,7 @@ def test_render_tp4_values(helm_render, monkeypatch):
     cfg = settings.engine_config
     assert (cfg.tp_size, cfg.page_size, cfg.cache_policy) == (4, 256, "radix")
     assert cfg.model == "/models/Qwen2.5-7B-Instruct"
-    assert settings.model_name == "qwen2.5-7b-instruct"
+    assert settings.served_model_name == "qwen2.5-7b-instruct"
 
     cluster = rs["spec"]["rayClusterConfig"]
     (group,) = cluster["workerGroupSpecs"]
@@ -455,3 +457,162 @@ def test_render_optional_pieces(helm_render, monkeypatch):
 def test_render_rejects_impossible_layouts(helm_render, override, message):
     with pytest.raises(helm_render.error, match=message):
         helm_render(override)
+
+
+# -- the chart against ServeConfig, the one declaration of every setting -----------------------
+
+# Settings whose chart value is not values.engine/serve.<camelCase name>.
+CHART_HOMES = {
+    "model": ("model", "path"),
+    "served_model_name": ("model", "servedModelName"),
+    "compiled": ("engine", "compiledGraph"),
+    "app_name": ("serve", "appName"),
+}
+# Never a value: the key reaches the pods from a Secret, named by api_key_env (apiKey.*).
+SECRET_SETTINGS = {"api_key", "api_key_env"}
+# Chart values that are not application settings.
+CHART_ONLY = {("serve", "routePrefix"), ("serve", "port"), ("serve", "extraConfig")}
+
+
+def _camel(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(part.title() for part in rest)
+
+
+def _chart_home(name: str) -> tuple[str, str]:
+    if name in CHART_HOMES:
+        return CHART_HOMES[name]
+    key = _camel(name)
+    return ("engine" if key in schema()["properties"]["engine"]["properties"] else "serve", key)
+
+
+def _chart_value(name: str) -> Any:
+    section, key = _chart_home(name)
+    return load_yaml(CHART / "values.yaml")[section][key]
+
+
+def _settings_in_chart() -> dict[str, tuple[str, str]]:
+    return {n: _chart_home(n) for n in ServeConfig.model_fields if n not in SECRET_SETTINGS}
+
+
+def test_every_setting_has_one_value_in_the_chart():
+    values, props = load_yaml(CHART / "values.yaml"), schema()["properties"]
+    homes = _settings_in_chart()
+    for name, (section, key) in homes.items():
+        assert key in values[section], f"{name}: no {section}.{key} in values.yaml"
+        assert key in props[section]["properties"], f"{name}: {section}.{key} not in the schema"
+    mapped = set(homes.values()) | CHART_ONLY
+    for section in ("engine", "serve"):
+        stale = {(section, k) for k in props[section]["properties"]} - mapped
+        assert not stale, f"chart values that are no kvray setting: {sorted(stale)}"
+
+
+def _bounds(field: Any) -> dict[str, float]:
+    out = {}
+    for m in field.metadata:
+        for attr in ("gt", "ge"):
+            if getattr(m, attr, None) is not None:
+                out[attr] = getattr(m, attr)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(_settings_in_chart()))
+def test_the_schema_says_what_the_setting_accepts(name):
+    import typing
+
+    field = ServeConfig.model_fields[name]
+    section, key = _chart_home(name)
+    prop = schema()["properties"][section]["properties"][key]
+    annotation = field.annotation
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    nullable = type(None) in typing.get_args(annotation)
+    kind = args[0] if nullable and len(args) == 1 else annotation
+    types = prop.get("type", [])
+    types = types if isinstance(types, list) else [types]
+    if nullable and name not in ("model", "served_model_name"):  # those are "" for unset
+        assert "null" in types, f"{name} may be None: the schema must allow null"
+    if not nullable and "null" in types:  # null in the chart means "kvray's default"
+        assert _chart_value(name) is None, f"{name}: null allowed, so the chart default is null"
+    origin = typing.get_origin(kind)
+    if origin is typing.Literal:
+        assert set(prop["enum"]) == set(typing.get_args(kind)), name
+    elif origin is tuple:
+        assert set(prop["items"]["enum"]) == set(typing.get_args(typing.get_args(kind)[0]))
+    elif kind is bool:
+        assert types == ["boolean"], name
+    elif kind in (int, float):
+        assert (kind is int) == ("integer" in types), f"{name}: {types}"
+        bounds = _bounds(field)
+        if "gt" in bounds and kind is int:
+            assert prop.get("minimum") == bounds["gt"] + 1, name
+        elif "gt" in bounds:
+            assert prop.get("exclusiveMinimum") == bounds["gt"], name
+        elif "ge" in bounds:
+            assert prop.get("minimum") == bounds["ge"], name
+        else:
+            assert "minimum" not in prop and "exclusiveMinimum" not in prop, name
+
+
+def test_every_chart_value_reaches_the_application(helm_render):
+    """Each setting set to something other than its default in the chart arrives, through
+    the template and serve_config's builder, in the application's settings."""
+    chosen = {
+        "model": "/models/m",
+        "served_model_name": "m-1",
+        "tp_size": 2,
+        "dtype": "float16",
+        "device": "cpu",
+        "page_size": 32,
+        "num_pages": 100,
+        "kv_cache_memory_gb": 1.5,
+        "cache_policy": "naive",
+        "max_running_reqs": 7,
+        "max_prefill_tokens": 300,
+        "max_seq_len": 999,
+        "attention_backend": "torch",
+        "seed": 5,
+        "placement_strategy": "SPREAD",
+        "replicas": 3,
+        "app_name": "app2",
+        "compiled": False,
+        "worker_cpus": 2.0,
+        "public_paths": ("/metrics",),
+        "max_tokens_default": 64,
+        "max_tokens_cap": 128,
+        "special_tokens_in_messages": True,
+        "health_timeout_s": 3.0,
+    }
+    assert set(chosen) == set(_settings_in_chart())
+    override: dict[str, Any] = {"worker": {"gpusPerPod": 0}}  # device "cpu" without GPUs
+    for name, value in chosen.items():
+        section, key = _chart_home(name)
+        default = ServeConfig.model_fields[name].get_default(call_default_factory=True)
+        assert value != default, f"{name}: pick a value other than the default"
+        override.setdefault(section, {})[key] = list(value) if isinstance(value, tuple) else value
+    (rs,) = _kind(helm_render(override), "RayService")
+    settings = settings_from_args(_serve_app(rs)["args"])
+    got = {name: getattr(settings, name) for name in chosen}
+    assert got == chosen
+
+
+# Where the chart's defaults deliberately differ from kvray's, and why.
+CHART_DEFAULTS = {
+    "placement_strategy": "STRICT_PACK",  # one engine's TP workers on one pod (NVLink)
+    "device": "cuda",  # decided from worker.gpusPerPod (1 by default), not at start-up
+}
+
+
+def test_chart_defaults_are_kvrays(helm_render):
+    """A chart value left null stands for kvray's default; one written out must equal it,
+    unless CHART_DEFAULTS says why not. So a default changed in EngineConfig/ServeConfig
+    cannot silently differ in the chart."""
+    (rs,) = _kind(helm_render(), "RayService")
+    settings = settings_from_args(_serve_app(rs)["args"])
+    for name in _settings_in_chart():
+        field = ServeConfig.model_fields[name]
+        default = field.get_default(call_default_factory=True)
+        got = getattr(settings, name)
+        if name in ("model", "served_model_name"):
+            continue  # resolved from the checkpoint (the embedded model here)
+        expected = CHART_DEFAULTS.get(name, default)
+        assert got == expected, f"{name}: the chart gives {got!r}, kvray's default is {default!r}"

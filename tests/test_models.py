@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from kvray.attention import AttnMetadata, create_attention_backend
 from kvray.kvcache import create_kvcache_pool
 from kvray.models import LlamaForCausalLM, ModelConfig, TPGroup, load_model
+from kvray.net import free_port
 
 COMMON = dict(
     vocab_size=301,  # not a multiple of 2 or 4: exercises vocab padding under TP
@@ -316,12 +316,6 @@ def _tp_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> Non
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_single_rank(checkpoints, tmp_path: Path, world: int) -> None:
     """TP 2 shards the 2 KV heads; TP 4 replicates each over 2 ranks. The vocab (301)
@@ -329,7 +323,7 @@ def test_tensor_parallel_matches_single_rank(checkpoints, tmp_path: Path, world:
     import torch.multiprocessing as mp
 
     path, hf = checkpoints["qwen2"]  # untied LM head, qkv bias
-    mp.spawn(_tp_worker, args=(world, _free_port(), str(path), str(tmp_path)), nprocs=world)
+    mp.spawn(_tp_worker, args=(world, free_port(), str(path), str(tmp_path)), nprocs=world)
     got = torch.load(tmp_path / f"tp{world}.pt")
     prompts = _prompts(2, 20, seed=6)
     for p, logits in zip(prompts, got, strict=True):

@@ -11,7 +11,6 @@ the engine replica, and new requests succeed once it is back.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import ray
+
+from kvray.net import free_port
 
 APP = "kvray-drill"
 SCHEDULER_PREFIX = f"kvray-scheduler-{APP}-"
@@ -39,25 +40,24 @@ def ray_session() -> None:
         ray.init(num_cpus=8, include_dashboard=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def drill_server(ray_session: None, tiny_checkpoints: dict[str, Any]) -> Iterator[str]:
     from ray import serve
 
-    from kvray.config import EngineConfig
-    from kvray.deploy.app import ServeSettings, start_app
+    from kvray.deploy.app import start_app
+    from kvray.deploy.settings import ServeConfig
 
     path, _ = tiny_checkpoints["llama"]
-    config = EngineConfig(model=str(path), tp_size=2, num_pages=256, dtype="float32")
-    settings = ServeSettings(
-        engine=config.model_dump(), model_name="tiny", app_name=APP, health_timeout_s=5.0
-    )
-    port = _free_port()
+    settings = ServeConfig(
+        model=str(path),
+        tp_size=2,
+        num_pages=256,
+        dtype="float32",
+        served_model_name="tiny",
+        app_name=APP,
+        health_timeout_s=5.0,
+    ).resolved()
+    port = free_port()
     serve.shutdown()  # a Serve left by an earlier module would keep its own HTTP port
     start_app(settings, "127.0.0.1", port)
     try:

@@ -131,7 +131,7 @@ def test_engine_greedy_matches_hf(tiny, variant: str, page_size: int, cache: str
     llm = new_llm(
         path,
         page_size=page_size,
-        cache=cache,
+        cache_policy=cache,
         max_prefill_tokens=8,
         num_pages=512 // page_size,
         attention_backend="triton",

@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import sys
 import threading
 import time
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvray.net import free_port
 
 APP_NAME = "kvray-soak"
 BAD_BODIES: tuple[bytes, ...] = (
@@ -318,12 +319,6 @@ class RssSampler:
 # -- the server and its engine ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _metrics(base_url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -378,16 +373,14 @@ def run(cfg: SoakConfig, num_pages: int, model: str | None) -> SoakReport:
     from ray import serve
 
     from kvray.cluster.spec import resolve_model_path
-    from kvray.config import EngineConfig
-    from kvray.deploy.app import ServeSettings, start_app
+    from kvray.deploy.app import start_app
+    from kvray.deploy.settings import ServeConfig
 
     model_path = resolve_model_path(model, progress=True)
-    settings = ServeSettings(
-        engine=EngineConfig(model=str(model_path), num_pages=num_pages).model_dump(),
-        model_name="soak",
-        app_name=APP_NAME,
-    )
-    port = _free_port()
+    settings = ServeConfig(
+        model=str(model_path), num_pages=num_pages, served_model_name="soak", app_name=APP_NAME
+    ).resolved()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     ray.init(include_dashboard=False, configure_logging=False)
     try:

@@ -11,7 +11,8 @@ import os
 import torch
 
 from kvray.core import StepPlan, StepResult
-from kvray.workers.dist import default_backend, free_port, init_tp_group
+from kvray.net import free_port
+from kvray.workers.dist import default_backend, init_tp_group
 from kvray.workers.worker import ModelWorker, WorkerSpec
 
 

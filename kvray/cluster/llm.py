@@ -53,10 +53,12 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
 class LLM:
     """Offline batch generation. `model=None` serves the embedded SmolLM2-135M-Instruct.
 
-    tp_size 1 runs in this process (unless `use_ray`), on `device` ("auto": CUDA when this
-    process sees a GPU), and never imports Ray; larger TP sizes start an `Engine` on Ray
-    (joining `address` / RAY_ADDRESS, or a local cluster). Call `shutdown()` (or use the LLM
-    as a context manager) to release a Ray engine's actors.
+    Every other keyword is an `EngineConfig` field (tp_size, dtype, device, page_size,
+    cache_policy, num_pages, max_prefill_tokens, ...), validated there. tp_size 1 runs in
+    this process (unless `use_ray`) and never imports Ray; larger TP sizes start an
+    `Engine` on Ray (joining `address` / RAY_ADDRESS, or a local cluster, dispatching steps
+    through compiled graphs unless `compiled=False`). Call `shutdown()` (or use the LLM as
+    a context manager) to release a Ray engine's actors.
 
     `skip_tokenizer_init` loads no tokenizer (a checkpoint may have none, e.g. random
     weights built for a benchmark): prompts must then be token ids, outputs carry token ids
@@ -66,41 +68,17 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        tp_size: int = 1,
-        page_size: int = 16,
-        cache: str = "radix",
-        dtype: str = "auto",
-        num_pages: int | None = None,
-        kv_cache_memory_gb: float = EngineConfig.model_fields["kv_cache_memory_gb"].default,
-        max_running_reqs: int = 256,
-        max_prefill_tokens: int = 2048,
-        max_seq_len: int | None = None,
-        attention_backend: str = "auto",
-        seed: int = 0,
-        device: str = "auto",
+        *,
         skip_tokenizer_init: bool = False,
         use_ray: bool | None = None,
         compiled: bool = True,
         address: str | None = None,
         progress: bool = True,
+        **engine: Any,
     ) -> None:
-        self.config = EngineConfig(
-            model=model,
-            tp_size=tp_size,
-            page_size=page_size,
-            cache_policy=cache,
-            dtype=dtype,
-            num_pages=num_pages,
-            kv_cache_memory_gb=kv_cache_memory_gb,
-            max_running_reqs=max_running_reqs,
-            max_prefill_tokens=max_prefill_tokens,
-            max_seq_len=max_seq_len,
-            attention_backend=attention_backend,
-            seed=seed,
-            device=device,
-        )
+        self.config = EngineConfig(model=model, **engine)
         self.engine: EngineClient
-        if use_ray or (use_ray is None and tp_size > 1):
+        if use_ray or (use_ray is None and self.config.tp_size > 1):
             from kvray.cluster.engine import Engine
 
             ray_engine = Engine(self.config, compiled=compiled, address=address, progress=progress)

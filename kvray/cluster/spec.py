@@ -99,14 +99,11 @@ class EngineSpec:
         return self.config.scheduler_config(self.num_pages, self.max_seq_len)
 
     def worker_spec(self, device: str) -> WorkerSpec:
-        c = self.config
         return WorkerSpec(
+            config=self.config,
             model_path=str(self.model_path),
             dtype=self.dtype,
             device=device,
             num_pages=self.num_pages,
-            page_size=c.page_size,
-            max_running_reqs=c.max_running_reqs,
             max_seq_len=self.max_seq_len,
-            attention_backend=c.attention_backend,
         )

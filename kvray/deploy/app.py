@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -17,44 +16,10 @@ from prometheus_client import CollectorRegistry
 from ray import serve
 
 from kvray.cluster.engine import ACTOR_NAMESPACE
-from kvray.config import EngineConfig
 from kvray.core import RequestRejected, SamplingParams, TokenEvent
+from kvray.deploy.settings import ServeConfig
 
 SCHEDULER_PREFIX = "kvray-scheduler-"
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """What `kvray serve` resolved once, handed to every replica as plain data."""
-
-    engine: dict[str, Any]  # EngineConfig fields; `model` is a resolved checkpoint dir
-    model_name: str
-    app_name: str = "kvray"
-    replicas: int = 1
-    api_key: str | None = None
-    compiled: bool = True
-    worker_cpus: float = 1.0
-    # Paths (of api.OPTIONAL_PUBLIC_PATHS) left open when an API key is set; /health always is.
-    public_paths: tuple[str, ...] = ()
-    max_tokens_default: int | None = None  # None: the rest of the context (vLLM)
-    max_tokens_cap: int | None = None
-    special_tokens_in_messages: bool = False
-    health_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        from kvray.deploy.api import OPTIONAL_PUBLIC_PATHS
-
-        bad = set(self.public_paths) - set(OPTIONAL_PUBLIC_PATHS)
-        if bad:
-            raise ValueError(f"public paths may be {OPTIONAL_PUBLIC_PATHS}, not {sorted(bad)}")
-        for name in ("max_tokens_default", "max_tokens_cap"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, not {value}")
-
-    @property
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(**self.engine)
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -69,7 +34,7 @@ class EngineDeployment:
     def __init__(self, settings: dict[str, Any]) -> None:
         from kvray.cluster.engine import Engine  # noqa: I001 (torch loads here, not at import)
 
-        s = ServeSettings(**settings)
+        s = ServeConfig(**settings)
         self.name = f"{SCHEDULER_PREFIX}{s.app_name}-{uuid.uuid4().hex[:12]}"
         self.engine = Engine(
             s.engine_config,
@@ -186,15 +151,17 @@ class Ingress:
         from kvray.deploy.metrics import EngineCollector, RequestMetrics
         from kvray.deploy.openai import OpenAIServing, ServingLimits
 
-        s = ServeSettings(**settings)
+        s = ServeConfig(**settings)
         self.settings = s
         spec = EngineSpec.resolve(s.engine_config, progress=False)
         self.registry = CollectorRegistry()
-        metrics = RequestMetrics(self.registry, s.model_name)
-        self.registry.register(EngineCollector(s.model_name, lambda: engine_stats(s.app_name)))
+        name = s.served_model_name
+        assert name is not None, "replicas get resolved settings (ServeConfig.resolved)"
+        metrics = RequestMetrics(self.registry, name)
+        self.registry.register(EngineCollector(name, lambda: engine_stats(s.app_name)))
         self.state = ServerState()
         self.serving = OpenAIServing(
-            s.model_name,
+            name,
             load_tokenizer(spec.model_path),
             spec.max_seq_len,
             spec.vocab_size,
@@ -239,7 +206,7 @@ class Ingress:
         )
 
 
-def start_app(settings: ServeSettings, host: str, port: int) -> None:
+def start_app(settings: ServeConfig, host: str, port: int) -> None:
     """Serve the app over HTTP at host:port on the connected Ray cluster (as `kvray serve`)."""
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(settings), name=settings.app_name, route_prefix="/")
@@ -268,7 +235,8 @@ def live_placement_groups(prefix: str = "kvray-pg-") -> int:
     )
 
 
-def build_app(settings: ServeSettings) -> Any:
-    raw = asdict(settings)
+def build_app(settings: ServeConfig) -> Any:
+    """The app for resolved settings (`ServeConfig.resolved`), as Serve replicas get it."""
+    raw = settings.model_dump()
     engine = EngineDeployment.options(num_replicas=settings.replicas).bind(raw)
     return Ingress.bind(engine, raw)

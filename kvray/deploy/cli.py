@@ -6,40 +6,26 @@ import argparse
 import sys
 
 from kvray.attention import backend_names
+from kvray.config import EngineConfig
+from kvray.deploy.flags import add_model_flags, model_from_flags
+from kvray.deploy.settings import ServeConfig
 from kvray.kvcache import PREFIX_CACHES
 
+API_KEY_ENV = "KVRAY_API_KEY"  # read when neither --api-key nor --api-key-env is given
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--cache", default="radix", choices=PREFIX_CACHES.names())
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--attention-backend", default="auto", choices=backend_names())
-    p.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="where the model runs (auto: CUDA when there is a GPU)",
-    )
+
+def _registry_choices() -> dict[str, list[str]]:
+    """Allowed values of the settings whose choices are registries (mini-sglang style)."""
+    return {"attention_backend": backend_names(), "cache_policy": PREFIX_CACHES.names()}
 
 
 def _generate(args: argparse.Namespace) -> int:
     from kvray import LLM, SamplingParams
     from kvray.core import RequestRejected
 
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        cache=args.cache,
-        num_pages=args.num_pages,
-        attention_backend=args.attention_backend,
-        device=args.device,
-    )
-    sp = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
-    )
+    config = model_from_flags(EngineConfig, args)
+    llm = LLM(**config.model_dump())
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     try:
         if getattr(llm.tokenizer, "chat_template", None) and not args.raw:
             out = llm.chat([{"role": "user", "content": args.prompt}], sp)[0]
@@ -61,46 +47,18 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from kvray.cluster.spec import resolve_model_path
-    from kvray.config import EngineConfig
-    from kvray.deploy.app import ServeSettings, drain, live_placement_groups, start_app
+    from kvray.deploy.app import drain, live_placement_groups, start_app
 
+    config = model_from_flags(ServeConfig, args)
+    if config.api_key is None and config.api_key_env is None and os.environ.get(API_KEY_ENV):
+        config = config.model_copy(update={"api_key_env": API_KEY_ENV})
     # Resolve (and, for the embedded model, convert) once, here, with progress shown.
-    model_path = resolve_model_path(args.model, progress=True)
-    if args.served_model_name:
-        model_name = args.served_model_name
-    elif args.model is None:
-        from kvray.models.embedded import EMBEDDED_MODEL_NAME
-
-        model_name = EMBEDDED_MODEL_NAME
-    else:
-        model_name = model_path.name
-    config = EngineConfig(
-        model=str(model_path),
-        tp_size=args.tp,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        cache_policy=args.cache,
-        num_pages=args.num_pages,
-        max_running_reqs=args.max_running,
-        max_prefill_tokens=args.max_prefill_tokens,
-        attention_backend=args.attention_backend,
-        device=args.device,
-    )
-    settings = ServeSettings(
-        engine=config.model_dump(),
-        model_name=model_name,
-        replicas=args.replicas,
-        api_key=args.api_key or os.environ.get("KVRAY_API_KEY") or None,
-        compiled=not args.no_compiled_graph,
-        public_paths=tuple(args.public_path),
-        max_tokens_default=args.max_tokens_default,
-        max_tokens_cap=args.max_tokens_cap,
-        special_tokens_in_messages=args.special_tokens_in_messages,
-    )
+    settings = config.resolved(str(resolve_model_path(config.model, progress=True)))
+    model_name = settings.served_model_name
     print(f"[kvray] starting Ray ({args.address or 'local'})...", file=sys.stderr, flush=True)
     ray.init(address=args.address, include_dashboard=False, configure_logging=False)
     print(
-        f"[kvray] loading {model_name}: {args.replicas} engine(s) x TP {args.tp}...",
+        f"[kvray] loading {model_name}: {settings.replicas} engine(s) x TP {settings.tp_size}...",
         file=sys.stderr,
         flush=True,
     )
@@ -152,51 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvray", description="LLM serving with a paged KV cache")
     sub = ap.add_subparsers(dest="command", required=True)
 
+    choices = _registry_choices()
     g = sub.add_parser("generate", help="complete one prompt offline and print the text")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    _add_engine_args(g)
+    add_model_flags(g, EngineConfig, choices=choices)
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API through Ray Serve")
-    _add_engine_args(s)
-    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size per engine")
-    s.add_argument("--replicas", type=int, default=1, help="data-parallel engines")
-    s.add_argument("--max-running", type=int, default=256)
-    s.add_argument("--max-prefill-tokens", type=int, default=2048)
-    s.add_argument("--host", default="127.0.0.1")
+    add_model_flags(s, ServeConfig, choices=choices)
+    # The serving process's own settings (not the app's: a serve config has its own).
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require this key (or set KVRAY_API_KEY)")
     s.add_argument("--address", default=None, help="Ray cluster to join (default: start one)")
-    s.add_argument("--served-model-name", default=None)
-    s.add_argument(
-        "--no-compiled-graph", action="store_true", help="dispatch steps with plain actor calls"
-    )
-    s.add_argument(
-        "--max-tokens-default",
-        type=int,
-        default=None,
-        help="tokens to generate when a request sets no limit (default: the rest of the context)",
-    )
-    s.add_argument(
-        "--max-tokens-cap", type=int, default=None, help="refuse requests asking for more tokens"
-    )
-    s.add_argument(
-        "--special-tokens-in-messages",
-        action="store_true",
-        help="let special-token text typed in chat messages become special tokens (as vLLM)",
-    )
-    s.add_argument(
-        "--public-path",
-        action="append",
-        default=[],
-        choices=["/metrics", "/openapi.json"],
-        help="leave this path open when --api-key is set (repeatable; /health always is)",
-    )
     s.add_argument(
         "--shutdown-grace-s",
         type=float,

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch
 import torch.distributed as dist
 
 from kvray.models import TPGroup
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on this host (for rank 0's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def default_backend(device: str) -> str:

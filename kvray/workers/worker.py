@@ -16,6 +16,7 @@ import torch
 
 from kvray.attention import create_attention_backend
 from kvray.attention.base import AttnMetadata
+from kvray.config import EngineConfig
 from kvray.core import StepPlan, StepResult, table_width
 from kvray.kvcache import MHAKVCache, create_kvcache_pool
 from kvray.models import TPGroup, load_model
@@ -25,16 +26,15 @@ from kvray.workers.sampler import sample_device
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a rank needs to build itself (plain data: it crosses process bounds)."""
+    """What a rank builds itself from (plain data: it crosses process bounds): the engine's
+    settings as declared, and the values resolved against the checkpoint and machine."""
 
+    config: EngineConfig  # page_size, max_running_reqs, attention_backend, ...
     model_path: str
-    dtype: str  # "float32" | "bfloat16" | "float16"
-    device: str  # "cpu", "cuda", "cuda:N"
+    dtype: str  # resolved: "float32" | "bfloat16" | "float16"
+    device: str  # resolved: "cpu", "cuda", "cuda:N"
     num_pages: int  # schedulable pages; the pool adds the dummy page
-    page_size: int
-    max_running_reqs: int
-    max_seq_len: int
-    attention_backend: str = "auto"
+    max_seq_len: int  # resolved
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -54,21 +54,21 @@ class ModelWorker:
             num_layers=cfg.num_layers,
             head_dim=cfg.head_dim,
             num_pages=spec.num_pages,
-            page_size=spec.page_size,
+            page_size=spec.config.page_size,
             dtype=spec.torch_dtype,
             device=self.device,
             tp_size=tp.size,
         )
         self.attn = create_attention_backend(
-            spec.attention_backend,
+            spec.config.attention_backend,
             self.kvcache,
             self.model.num_q_heads_local,
             cfg.head_dim,
             self.model.attn_scale,
         )
-        width = table_width(spec.max_seq_len, spec.page_size)
-        self.mirror = PlanMirror(spec.max_running_reqs, width, self.device)
-        self.dummy_slot = spec.num_pages * spec.page_size  # first slot of the dummy page
+        width = table_width(spec.max_seq_len, spec.config.page_size)
+        self.mirror = PlanMirror(spec.config.max_running_reqs, width, self.device)
+        self.dummy_slot = spec.num_pages * spec.config.page_size  # first slot of the dummy page
 
     @property
     def kv_buffer_shape(self) -> tuple[int, ...]:

@@ -4,7 +4,6 @@ metrics, SSE parsing."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +13,8 @@ from typing import Any
 import httpx
 import ray
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvray.net import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 APP = "kvray"
@@ -27,25 +28,24 @@ MAX_TOKENS_DEFAULT = 48
 MAX_TOKENS_CAP = 1000
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def serve_app(model_dir: Path, **settings: Any) -> Iterator[str]:
-    """Run the kvray Serve app (`settings`: ServeSettings fields); yields its root URL.
+    """Run the kvray Serve app (`settings`: ServeConfig fields); yields its root URL.
     Deletes it and stops Serve after."""
     from ray import serve
 
-    from kvray.config import EngineConfig
-    from kvray.deploy.app import ServeSettings, build_app
+    from kvray.deploy.app import build_app
+    from kvray.deploy.settings import ServeConfig
 
-    config = EngineConfig(
-        model=str(model_dir), num_pages=NUM_PAGES, page_size=PAGE_SIZE, dtype="float32"
-    )
-    resolved = ServeSettings(engine=config.model_dump(), model_name=MODEL, app_name=APP, **settings)
+    resolved = ServeConfig(
+        model=str(model_dir),
+        num_pages=NUM_PAGES,
+        page_size=PAGE_SIZE,
+        dtype="float32",
+        served_model_name=MODEL,
+        app_name=APP,
+        **settings,
+    ).resolved()
     port = free_port()
     serve.shutdown()  # a Serve left by an earlier module would keep its own HTTP port
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from kvray.cluster.llm import chat_prompt_ids
+from kvray.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -32,12 +33,6 @@ README_REQUEST = {
     "temperature": 0,
     "max_tokens": 32,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(port: int) -> bool:

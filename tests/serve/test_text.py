@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvray.cluster.llm import chat_prompt_ids
-from kvray.deploy.app import ServeSettings
 from kvray.deploy.chat import _content_as_text, _special_pattern, chat_ids
 from kvray.deploy.serve_config import settings_from_args
+from kvray.deploy.settings import ServeConfig
 from kvray.detokenizer import IncrementalDetokenizer
 
 ROLES = st.sampled_from(["system", "user", "assistant", "developer"])
@@ -134,4 +134,4 @@ def test_serve_config_args_reach_the_settings() -> None:
 )
 def test_serve_settings_refuse_nonsense(bad: dict) -> None:
     with pytest.raises(ValueError):
-        ServeSettings(engine={}, model_name="m", **bad)
+        ServeConfig(served_model_name="m", **bad)

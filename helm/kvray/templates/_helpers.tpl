@@ -143,7 +143,10 @@ each other and that would otherwise leave placement groups pending forever.
       "compiled" $e.compiledGraph
       "worker_cpus" $e.workerCpus
       "seed" (int $e.seed)
-      "device" (include "kvray.device" .) }}
+      "device" (include "kvray.device" .)
+      "special_tokens_in_messages" .Values.serve.specialTokensInMessages
+      "public_paths" .Values.serve.publicPaths
+      "health_timeout_s" .Values.serve.healthTimeoutS }}
 {{- if .Values.model.path }}
 {{- $_ := set $args "model" .Values.model.path }}
 {{- end }}
@@ -155,6 +158,12 @@ each other and that would otherwise leave placement groups pending forever.
 {{- end }}
 {{- if not (kindIs "invalid" $e.maxSeqLen) }}
 {{- $_ := set $args "max_seq_len" (int $e.maxSeqLen) }}
+{{- end }}
+{{- if not (kindIs "invalid" .Values.serve.maxTokensDefault) }}
+{{- $_ := set $args "max_tokens_default" (int .Values.serve.maxTokensDefault) }}
+{{- end }}
+{{- if not (kindIs "invalid" .Values.serve.maxTokensCap) }}
+{{- $_ := set $args "max_tokens_cap" (int .Values.serve.maxTokensCap) }}
 {{- end }}
 {{- if .Values.apiKey.enabled }}
 {{- $_ := set $args "api_key_env" "KVRAY_API_KEY" }}

@@ -1,0 +1,66 @@
+"""Command-line flags derived from a settings model (`EngineConfig`, `ServeConfig`): one
+flag per field, --field-name (plus the field's `cli_aliases`), typed and documented from
+the field's declaration. An unset flag is left out of the parsed values, so the model's own
+default applies: no default is written twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+def _strip_optional(annotation: Any) -> Any:
+    """`X | None` -> X (None is every optional field's default, never a flag value)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def add_model_flags(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel],
+    *,
+    exclude: Iterable[str] = (),
+    choices: Mapping[str, Sequence[str]] | None = None,
+) -> None:
+    """Add a flag for each field of `model` but `exclude`. `choices` names the allowed
+    values of plain string fields whose values come from a registry."""
+    skip = set(exclude)
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        flags = [f"--{name.replace('_', '-')}", *extra.get("cli_aliases", [])]  # type: ignore[list-item]
+        kind = _strip_optional(field.annotation)
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+        default = field.get_default(call_default_factory=True)
+        help_text = field.description or ""
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is tuple:  # a repeatable flag: tuple[Literal[...], ...]
+            item = typing.get_args(kind)[0]
+            kw.update(action="append", choices=list(typing.get_args(item)) or None)
+            help_text += " (repeatable)"
+        elif typing.get_origin(kind) is Literal:
+            kw["choices"] = list(typing.get_args(kind))
+        else:
+            kw["type"] = kind
+            if choices and name in choices:
+                kw["choices"] = list(choices[name])
+        if default not in (None, ()):
+            help_text += f" (default: {default})"
+        parser.add_argument(*flags, help=help_text, **kw)
+
+
+def model_from_flags(model: type[BaseModel], args: argparse.Namespace, **overrides: Any) -> Any:
+    """An instance of `model` from the flags the user gave (validated by the model)."""
+    given = {k: v for k, v in vars(args).items() if k in model.model_fields}
+    return model(**{**given, **overrides})

@@ -1,0 +1,103 @@
+"""`ServeConfig`: the server's settings, declared once, extending `EngineConfig`.
+
+It is at once the `args:` of a Ray Serve config (`kvray.deploy.serve_config:app_builder`,
+the Helm chart's serveConfigV2), the flags of `kvray serve` (`kvray.deploy.flags`) and what
+every Serve replica is handed, once `resolved()`: the checkpoint path, the served model
+name and the API key settled where the app is built.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import PurePath
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from kvray.config import EngineConfig, cli_aliases
+
+PublicPath = Literal["/metrics", "/openapi.json"]
+
+
+class ServeConfig(EngineConfig):
+    """An engine's settings plus the server's. Unknown keys are an error (a typo in a serve
+    config must not be ignored)."""
+
+    served_model_name: str | None = Field(
+        default=None,
+        description="the `model` clients send; None: the checkpoint directory's name",
+    )
+    replicas: int = Field(default=1, gt=0, description="data-parallel engines behind Serve")
+    app_name: str = Field(default="kvray", min_length=1, description="the Serve app's name")
+    api_key: str | None = Field(
+        default=None,
+        description="require this bearer key (or set KVRAY_API_KEY); prefer api_key_env in configs",
+    )
+    api_key_env: str | None = Field(
+        default=None, description="name of an environment variable holding the API key"
+    )
+    compiled: bool = Field(
+        default=True,
+        description="dispatch steps over Ray compiled graphs (else plain actor calls)",
+        json_schema_extra=cli_aliases("--compiled-graph"),
+    )
+    worker_cpus: float = Field(default=1.0, ge=0, description="CPUs each TP worker reserves")
+    public_paths: tuple[PublicPath, ...] = Field(
+        default=(),
+        description="paths left open when an API key is set (/health always is)",
+        json_schema_extra=cli_aliases("--public-path"),
+    )
+    max_tokens_default: int | None = Field(
+        default=None,
+        gt=0,
+        description="tokens to generate when a request sets no limit; None: the rest of the "
+        "context",
+    )
+    max_tokens_cap: int | None = Field(
+        default=None, gt=0, description="refuse requests asking for more tokens than this"
+    )
+    special_tokens_in_messages: bool = Field(
+        default=False,
+        description="let special-token text typed in chat messages become special tokens "
+        "(as vLLM does)",
+    )
+    health_timeout_s: float = Field(
+        default=10.0, gt=0, description="how long /health waits for a real engine step"
+    )
+
+    @field_validator("api_key", "api_key_env", "model", "served_model_name", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: object) -> object:
+        """An empty string (e.g. an unset Helm value) means the default."""
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.model_fields})
+
+    def resolved(self, model_path: str | None = None) -> ServeConfig:
+        """These settings with what replicas need settled: the API key (from api_key_env
+        when named: a missing variable is an error, never an open server), the served model
+        name, and `model_path` (a resolved checkpoint) when given."""
+        if self.api_key and self.api_key_env:
+            raise ValueError("give either api_key or api_key_env, not both")
+        key = self.api_key
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise ValueError(
+                    f"api_key_env={self.api_key_env!r} is set but that environment variable is "
+                    "missing or empty on this node (is the Secret mounted into every Ray pod?)"
+                )
+        model = model_path or self.model
+        name = self.served_model_name
+        if name is None and self.model is None:
+            from kvray.models.embedded import EMBEDDED_MODEL_NAME
+
+            name = EMBEDDED_MODEL_NAME
+        elif name is None:
+            assert model is not None
+            name = PurePath(model.rstrip("/")).name or model
+        return self.model_copy(
+            update={"api_key": key, "api_key_env": None, "model": model, "served_model_name": name}
+        )
