@@ -172,6 +172,9 @@ def steady_decode(llm: Any, running: int, prompt_len: int, steps: int, seed: int
     return running / statistics.median(times)
 
 
+_DEFAULTS = EngineConfig.model_fields  # the engine's own defaults, where the bench keeps them
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--kv-cache-memory-gb",
         type=float,
-        default=EngineConfig.model_fields["kv_cache_memory_gb"].default,
+        default=_DEFAULTS["kv_cache_memory_gb"].default,
     )
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--decode-running", type=int, default=128)
     ap.add_argument("--decode-prompt-len", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=_DEFAULTS["page_size"].default)
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--seed", type=int, default=0)

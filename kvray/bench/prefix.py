@@ -300,6 +300,9 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from kvray.config import EngineConfig
+
+    defaults = EngineConfig.model_fields  # the engine's own, where the bench keeps them
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--groups", type=int, default=8, help="distinct shared prefixes")
     ap.add_argument("--per-group", type=int, default=16, help="requests per shared prefix")
@@ -311,11 +314,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"]
     )
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=defaults["page_size"].default)
     ap.add_argument(
         "--num-pages", type=int, default=None, help="KV pages (default: every request at once)"
     )
-    ap.add_argument("--max-prefill-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--max-prefill-tokens", type=int, default=defaults["max_prefill_tokens"].default
+    )
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
