@@ -2,58 +2,57 @@
 
 It owns the EngineCore (scheduler + RayExecutor). The worker actors are owned by this
 actor and die with it; the placement group is scoped to the job, so the Engine that started
-this actor removes it by name when the engine goes. A loop thread runs the overlapped step
-loop; the asyncio side takes requests and hands each one its events: `stream(rid)` is an
-async generator (for the Serve front), `poll(rids)` returns whatever is ready (for the
-offline LLM).
+this actor removes it by name when the engine goes.
+
+Life cycle, one way through: CREATED (no workers) -> `start()` builds the TP group, warms
+the engine up and starts the step thread -> SERVING -> `shutdown()` stops the thread and
+releases the workers -> STOPPED. A call that needs the engine outside SERVING raises
+EngineFailed, never an AttributeError.
+
+Two threads touch the core, which is thread safe (one lock, never held while waiting on the
+workers): the step thread (`StepThread`) plans steps and waits for their results; the
+actor's event loop takes requests (submit, abort, inspection) and hands each request its
+events: `stream(rid)` is an async generator (for the Serve front), `poll(rids)` returns
+whatever is ready (for the offline LLM).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from kvray.cluster.engine_core import EngineCore
+from kvray.cluster.engine_core import EngineCore, EngineFailed
 from kvray.cluster.ray_executor import RayExecutor
 from kvray.cluster.spec import EngineSpec
 from kvray.core import FinishReason, SamplingParams, TokenEvent
 
 
-class SchedulerActor:
+class Phase(enum.Enum):
+    CREATED = "created"
+    SERVING = "serving"
+    STOPPED = "stopped"
+
+
+class StepThread:
+    """Steps the core while it has work, on a thread of its own; hands each step's events
+    to `deliver` on the event loop `loop`. Sleeps when idle until `wake()`."""
+
     def __init__(
         self,
-        spec: EngineSpec,
-        device: str,
-        compiled: bool = True,
-        worker_cpus: float = 1.0,
-        pg_name_prefix: str = "",
+        core: EngineCore,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Callable[[list[TokenEvent]], None],
     ) -> None:
-        self._args = (spec, device, compiled, worker_cpus, pg_name_prefix)
-        self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
+        self.core = core
+        self._loop = loop
+        self._deliver = deliver
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvray-step-loop", daemon=True)
-
-    async def start(self) -> None:
-        """Build the TP group (off the event loop: it waits on Ray) and start stepping."""
-        spec, device, compiled, worker_cpus, pg_name_prefix = self._args
-        executor = await asyncio.to_thread(
-            RayExecutor,
-            spec.worker_spec(device),
-            spec.config.tp_size,
-            compiled=compiled,
-            placement_strategy=spec.config.placement_strategy,
-            worker_cpus=worker_cpus,
-            pg_name_prefix=pg_name_prefix,
-        )
-        self.core = EngineCore(spec, executor, max_inflight=2)
-        await asyncio.to_thread(self.core.warm_up)  # before the first real request
-        self._loop = asyncio.get_running_loop()
         self._thread.start()
-
-    # -- the step loop (its own thread) --------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stop:
@@ -65,6 +64,62 @@ class SchedulerActor:
             if events:
                 self._loop.call_soon_threadsafe(self._deliver, events)
 
+    def wake(self) -> None:
+        """New work arrived."""
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Finish the step in progress and end the thread (blocking)."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+
+class SchedulerActor:
+    def __init__(
+        self,
+        spec: EngineSpec,
+        device: str,
+        compiled: bool = True,
+        worker_cpus: float = 1.0,
+        pg_name_prefix: str = "",
+    ) -> None:
+        self.spec = spec
+        self.device = device
+        self.compiled = compiled
+        self.worker_cpus = worker_cpus
+        self.pg_name_prefix = pg_name_prefix
+        self.phase = Phase.CREATED
+        self._core: EngineCore | None = None
+        self._steps: StepThread | None = None
+        self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
+
+    @property
+    def core(self) -> EngineCore:
+        if self._core is None or self.phase is not Phase.SERVING:
+            raise EngineFailed(f"this engine is {self.phase.value}, not serving")
+        return self._core
+
+    async def start(self) -> None:
+        """CREATED -> SERVING: build the TP group (off the event loop: it waits on Ray),
+        warm the engine up before the first real request, start stepping."""
+        if self.phase is not Phase.CREATED:
+            raise EngineFailed(f"start() of an engine that is {self.phase.value}")
+        executor = await asyncio.to_thread(
+            RayExecutor,
+            self.spec.worker_spec(self.device),
+            self.spec.config.tp_size,
+            compiled=self.compiled,
+            placement_strategy=self.spec.config.placement_strategy,
+            worker_cpus=self.worker_cpus,
+            pg_name_prefix=self.pg_name_prefix,
+        )
+        core = EngineCore(self.spec, executor, max_inflight=2)
+        await asyncio.to_thread(core.warm_up)
+        self._core = core
+        self._steps = StepThread(core, asyncio.get_running_loop(), self._deliver)
+        self.phase = Phase.SERVING
+
     def _deliver(self, events: list[TokenEvent]) -> None:
         for ev in events:
             q = self._queues.get(ev.rid)
@@ -74,7 +129,7 @@ class SchedulerActor:
     # -- requests ---------------------------------------------------------------------------------
 
     async def ready(self) -> bool:
-        return True
+        return self.phase is Phase.SERVING
 
     async def submit(self, input_ids: Sequence[int], sampling: SamplingParams) -> int:
         """Queue a request and return its id. RequestRejected propagates to the caller."""
@@ -85,7 +140,8 @@ class SchedulerActor:
         except BaseException:
             del self._queues[rid]
             raise
-        self._wake.set()
+        assert self._steps is not None  # SERVING: `core` answered
+        self._steps.wake()
         return rid
 
     async def abort(self, rid: int, reason: str = "abort") -> TokenEvent | None:
@@ -163,9 +219,11 @@ class SchedulerActor:
         self.core.executor.kill_worker(rank)
 
     async def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join, 10)
-        if hasattr(self, "core"):
-            await asyncio.to_thread(self.core.shutdown)
+        """-> STOPPED: stop stepping, then release the workers. Safe to call twice."""
+        self.phase = Phase.STOPPED
+        steps, self._steps = self._steps, None
+        core, self._core = self._core, None
+        if steps is not None:
+            await asyncio.to_thread(steps.stop)
+        if core is not None:
+            await asyncio.to_thread(core.shutdown)
