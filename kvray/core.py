@@ -11,7 +11,6 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -233,25 +232,11 @@ class StepPlan:
     def is_empty(self) -> bool:
         return self.batch_size == 0
 
-    # Derived once, where the plan is consumed (never before it is sent: they would travel).
-    @cached_property
-    def positions(self) -> np.ndarray:
-        """int64 [num_tokens]: the position of each computed token (the order of out_loc)."""
-        return flat_positions(self.starts, self.extend_lens)
-
-    @cached_property
-    def token_rows(self) -> np.ndarray:
-        """int64 [num_tokens]: the row of each computed token."""
-        return np.repeat(self.rows.astype(np.int64), self.extend_lens)
-
-    @property
-    def fill_positions(self) -> np.ndarray:
-        """int64 [len(fill_ids)]: where each of `fill_ids` goes in its row."""
-        return flat_positions(self.starts, self.fill_lens)
-
-    @property
-    def fill_rows(self) -> np.ndarray:
-        return np.repeat(self.rows.astype(np.int64), self.fill_lens)
+    def spans(self, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row, position) of every position the batch covers when request i covers
+        `lens[i]` positions from `starts[i]`: `extend_lens` gives the computed tokens (the
+        order of out_loc), `fill_lens` where `fill_ids` go. int64."""
+        return np.repeat(self.rows.astype(np.int64), lens), flat_positions(self.starts, lens)
 
     @property
     def sampled_rows(self) -> np.ndarray:

@@ -8,11 +8,16 @@ import torch
 
 from kvray.core import SamplingParams
 from kvray.workers import sampler
-from kvray.workers.sampler import SampleOutput, mix_seed, sample, uniform_draw
+from kvray.workers.sampler import SampleOutput, mix_seed, sample_device, uniform_draw
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0.0)
 RANDOM = SamplingParams(temperature=1.0)
+
+
+def sample(*args: object, **kwargs: object) -> SampleOutput:
+    """The sampler's results on the host, as the worker copies them."""
+    return sample_device(*args, **kwargs).numpy()  # type: ignore[arg-type]
 
 
 def _logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 2.0) -> torch.Tensor:

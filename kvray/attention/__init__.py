@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Callable
 
@@ -13,40 +14,28 @@ BackendFactory = Callable[[MHAKVCache, int, int, float], AttentionBackend]
 ATTENTION_BACKENDS: Registry[BackendFactory] = Registry("attention backend")
 
 
-@ATTENTION_BACKENDS.register("torch")
-def _create_torch(
-    kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
-) -> AttentionBackend:
-    from kvray.attention.torch_backend import TorchAttentionBackend
+def _lazy(module: str, cls: str) -> BackendFactory:
+    """A factory that imports the backend's module only when one is built (flash-attn and
+    Triton are imported by their backends alone)."""
 
-    return TorchAttentionBackend(kvcache, num_q_heads_local, head_dim, scale)
+    def create(
+        kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
+    ) -> AttentionBackend:
+        backend: AttentionBackend = getattr(importlib.import_module(module), cls)(
+            kvcache, num_q_heads_local, head_dim, scale
+        )
+        return backend
 
-
-@ATTENTION_BACKENDS.register("cpu")
-def _create_cpu(
-    kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
-) -> AttentionBackend:
-    from kvray.attention.cpu_backend import CpuAttentionBackend
-
-    return CpuAttentionBackend(kvcache, num_q_heads_local, head_dim, scale)
+    return create
 
 
-@ATTENTION_BACKENDS.register("flash_attn")
-def _create_flash_attn(
-    kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
-) -> AttentionBackend:
-    from kvray.attention.flash_attn_backend import FlashAttnBackend
-
-    return FlashAttnBackend(kvcache, num_q_heads_local, head_dim, scale)
-
-
-@ATTENTION_BACKENDS.register("triton")
-def _create_triton(
-    kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
-) -> AttentionBackend:
-    from kvray.attention.triton_backend import TritonAttentionBackend
-
-    return TritonAttentionBackend(kvcache, num_q_heads_local, head_dim, scale)
+for _name, (_module, _cls) in {
+    "torch": ("kvray.attention.torch_backend", "TorchAttentionBackend"),
+    "cpu": ("kvray.attention.cpu_backend", "CpuAttentionBackend"),
+    "triton": ("kvray.attention.triton_backend", "TritonAttentionBackend"),
+    "flash_attn": ("kvray.attention.flash_attn_backend", "FlashAttnBackend"),
+}.items():
+    ATTENTION_BACKENDS.register(_name)(_lazy(_module, _cls))
 
 
 def resolve_backend_name(name: str, kvcache: MHAKVCache, head_dim: int) -> str:

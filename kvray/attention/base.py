@@ -36,14 +36,6 @@ class AttnMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
 
-    @property
-    def batch_size(self) -> int:
-        return int(self.seq_lens_q.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
-
     def decodes_and_extends(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch indices (int64) of the requests computing one token this step (decodes)
         and of those computing several (extends: prefills, chunks, cached-prefix prompts)."""
@@ -65,7 +57,7 @@ class AttnMetadata:
         b computes positions `starts[b] : starts[b] + extend_lens[b]`; their slots must
         already be in the table, and `out_loc` is read from it (one home for the fact).
         `positions` (those positions, flat, on the table's device) may be passed where the
-        caller has them already (`StepPlan.positions`)."""
+        caller has them already (`StepPlan.spans`)."""
         device = page_table.device
         # Copies (plans may arrive as read-only buffers), on the host.
         starts_t = torch.from_numpy(np.array(starts, dtype=np.int64))

@@ -43,10 +43,10 @@ class RayExecutor(Executor):
         self.spec = spec
         self.tp_size = tp_size
         self.compiled = compiled
-        self.placement_strategy = placement_strategy
-        self.worker_cpus = worker_cpus
         self.step_timeout_s = step_timeout_s
-        self.use_gpu = spec.device.startswith("cuda")
+        # Each rank's resources (a GPU of its own on CUDA), placed as `placement_strategy` says.
+        self._bundle = {"CPU": worker_cpus, "GPU": 1.0 if spec.device.startswith("cuda") else 0.0}
+        self.placement_strategy = placement_strategy
         # Placement groups outlive the actor that created them (Ray scopes them to the job),
         # so each gets a name the Engine can find and remove if this actor dies uncleanly.
         self.pg_name_prefix = pg_name_prefix
@@ -60,9 +60,7 @@ class RayExecutor(Executor):
 
     def _build(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        bundle: dict[str, float] = {"CPU": self.worker_cpus}
-        if self.use_gpu:
-            bundle["GPU"] = 1
+        bundle = {name: amount for name, amount in self._bundle.items() if amount > 0}
         self._generation += 1
         self.pg = placement_group(
             [dict(bundle) for _ in range(self.tp_size)],
@@ -81,8 +79,8 @@ class RayExecutor(Executor):
         remote_cls = ray.remote(WorkerActor)
         self.actors = [
             remote_cls.options(
-                num_cpus=self.worker_cpus,
-                num_gpus=1 if self.use_gpu else 0,
+                num_cpus=self._bundle["CPU"],
+                num_gpus=self._bundle["GPU"],
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank

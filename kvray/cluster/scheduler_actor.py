@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -85,10 +86,16 @@ class SchedulerActor:
         pg_name_prefix: str = "",
     ) -> None:
         self.spec = spec
-        self.device = device
-        self.compiled = compiled
-        self.worker_cpus = worker_cpus
-        self.pg_name_prefix = pg_name_prefix
+        # What start() builds: the TP group's workers (nothing is started before then).
+        self._executor = functools.partial(
+            RayExecutor,
+            spec.worker_spec(device),
+            spec.config.tp_size,
+            compiled=compiled,
+            placement_strategy=spec.config.placement_strategy,
+            worker_cpus=worker_cpus,
+            pg_name_prefix=pg_name_prefix,
+        )
         self.phase = Phase.CREATED
         self._core: EngineCore | None = None
         self._steps: StepThread | None = None
@@ -105,15 +112,7 @@ class SchedulerActor:
         warm the engine up before the first real request, start stepping."""
         if self.phase is not Phase.CREATED:
             raise EngineFailed(f"start() of an engine that is {self.phase.value}")
-        executor = await asyncio.to_thread(
-            RayExecutor,
-            self.spec.worker_spec(self.device),
-            self.spec.config.tp_size,
-            compiled=self.compiled,
-            placement_strategy=self.spec.config.placement_strategy,
-            worker_cpus=self.worker_cpus,
-            pg_name_prefix=self.pg_name_prefix,
-        )
+        executor = await asyncio.to_thread(self._executor)
         core = EngineCore(self.spec, executor, max_inflight=2)
         await asyncio.to_thread(core.warm_up)
         self._core = core

@@ -85,15 +85,7 @@ class EngineSpec:
             num_pages = max(int(config.kv_cache_memory_gb * 2**30) // page_bytes, 1)
         max_seq_len = config.max_seq_len or mc.max_position_embeddings
         max_seq_len = min(max_seq_len, mc.max_position_embeddings, num_pages * config.page_size)
-        return cls(
-            config=config,
-            model_path=path,
-            model_config=mc,
-            dtype=dtype,
-            num_pages=num_pages,
-            max_seq_len=max_seq_len,
-            eos_token_ids=_eos_ids(path, mc),
-        )
+        return cls(config, path, mc, dtype, num_pages, max_seq_len, _eos_ids(path, mc))
 
     def scheduler_config(self) -> SchedulerConfig:
         return self.config.scheduler_config(self.num_pages, self.max_seq_len)

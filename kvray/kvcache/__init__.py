@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import torch
+from typing import Any
 
 from kvray.kvcache.base import (
     BaseCacheHandle,
@@ -37,28 +36,10 @@ def create_prefix_cache(policy: str, page_size: int) -> BasePrefixCache:
     return PREFIX_CACHES.get(policy)(page_size)
 
 
-def create_kvcache_pool(
-    *,
-    num_kv_heads: int,
-    num_layers: int,
-    head_dim: int,
-    num_pages: int,
-    page_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    tp_size: int,
-) -> MHAKVCache:
-    """A pool for `num_pages` schedulable pages plus the dummy page (the last one)."""
-    return MHAKVCache(
-        num_kv_heads=num_kv_heads,
-        num_layers=num_layers,
-        head_dim=head_dim,
-        num_pages=num_pages + 1,  # +1: the dummy page padded batches write to
-        page_size=page_size,
-        dtype=dtype,
-        device=device,
-        tp_size=tp_size,
-    )
+def create_kvcache_pool(*, num_pages: int, **pool: Any) -> MHAKVCache:
+    """A pool for `num_pages` schedulable pages plus the dummy page (the last one), which
+    padded batches write to; `pool` are MHAKVCache's other (keyword) arguments."""
+    return MHAKVCache(num_pages=num_pages + 1, **pool)
 
 
 __all__ = [

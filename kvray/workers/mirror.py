@@ -56,12 +56,15 @@ class PlanMirror:
         if stray:
             raise RuntimeError(f"plan {plan.step_id} schedules rows {stray}, never admitted")
         if plan.fill_ids.size:
-            fill_rows, fill_pos = self._tensor(plan.fill_rows), self._tensor(plan.fill_positions)
-            self.token_pool[fill_rows, fill_pos] = self._tensor(plan.fill_ids)
+            fill_rows, fill_pos = plan.spans(plan.fill_lens)
+            self.token_pool[self._tensor(fill_rows), self._tensor(fill_pos)] = self._tensor(
+                plan.fill_ids
+            )
+        token_rows, positions = plan.spans(plan.extend_lens)
         batch = MirroredBatch(
             rows=self._tensor(plan.rows),
-            token_rows=self._tensor(plan.token_rows),
-            positions=self._tensor(plan.positions),
+            token_rows=self._tensor(token_rows),
+            positions=self._tensor(positions),
         )
         self.page_table[batch.token_rows, batch.positions] = self._tensor(plan.out_loc)
         return batch

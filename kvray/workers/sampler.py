@@ -89,25 +89,6 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < MIN_TEMPERATURE
 
 
-def sample(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    seeds: Sequence[int],
-    positions: Sequence[int],
-    max_top_logprobs: int = 0,
-    with_logprobs: bool = True,
-) -> SampleOutput:
-    """Sample one token per row of `logits` [S, V] (float32; other dtypes are upcast).
-
-    `seeds[i]` is request i's seed (its `SamplingParams.seed`, or one the engine assigned)
-    and `positions[i]` the position of the token being sampled: together they fix the draw.
-    `max_top_logprobs` > 0 also returns that many most likely tokens per row. Returns host
-    (numpy) arrays; `sample_device` leaves them on the logits' device. Without
-    `with_logprobs` (and no top logprobs) the chosen tokens' logprobs are not computed: that
-    saves a full-vocabulary reduction per row, and `logprobs` is None."""
-    return sample_device(logits, params, seeds, positions, max_top_logprobs, with_logprobs).numpy()
-
-
 def sample_device(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -116,7 +97,14 @@ def sample_device(
     max_top_logprobs: int = 0,
     with_logprobs: bool = True,
 ) -> DeviceSample:
-    """Like `sample`, leaving the results on the logits' device."""
+    """Sample one token per row of `logits` [S, V] (float32; other dtypes are upcast),
+    leaving the results on the logits' device (`.numpy()` copies them to the host).
+
+    `seeds[i]` is request i's seed (its `SamplingParams.seed`, or one the engine assigned)
+    and `positions[i]` the position of the token being sampled: together they fix the draw.
+    `max_top_logprobs` > 0 also returns that many most likely tokens per row. Without
+    `with_logprobs` (and no top logprobs) the chosen tokens' logprobs are not computed: that
+    saves a full-vocabulary reduction per row, and `logprobs` is None."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [S, V], got shape {tuple(logits.shape)}")
     num_rows, vocab = logits.shape
