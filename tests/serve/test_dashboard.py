@@ -1,8 +1,8 @@
 """The Grafana dashboard (deploy/grafana/kvray-dashboard.json) against the real metrics.
 
 Every `kvray:` metric the dashboard's PromQL queries must be exported, with the right type,
-by a LIVE kvray server's /metrics: the Serve application is started here on the embedded
-model, asked one question (so the histograms hold samples), and scraped.
+by a LIVE kvray server's /metrics: the package's shared Serve app on the embedded model is
+scraped before and after one question, so the histograms move by exactly that request.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvray.net import free_port
+from .serve_helpers import MODEL
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvray-dashboard.json"
-MODEL_NAME = "SmolLM2-135M-Instruct"
-APP_NAME = "kvray"
 
 METRIC = re.compile(r"kvray:[A-Za-z0-9_:]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -167,75 +167,35 @@ def test_dashboard_promql_parses():
 # -- the live server -----------------------------------------------------------------------------
 
 
-def _serve_running(ray) -> bool:
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-    try:
-        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        return True
-    except ValueError:
-        return False
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False)
-    yield ray  # never shut down here: other modules share the session's Ray
+def _scrape(http: httpx.Client) -> dict[str, Any]:
+    r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    samples = {
+        s.name: s
+        for f in families.values()
+        for s in f.samples
+        if s.labels.get("model_name") == MODEL
+    }
+    return {"families": families, "samples": samples}
 
 
 @pytest.fixture(scope="module")
-def live_metrics(ray_session) -> dict[str, Any]:
-    """Start the Serve app on the embedded model, make one request, scrape /metrics."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-    from ray import serve
+def live_metrics(http: httpx.Client) -> dict[str, Any]:
+    """/metrics after one greedy 4-token completion, and what it moved since before it."""
+    before = _scrape(http)["samples"]
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4}
+    r = http.post("/v1/completions", json=body | {"temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    after = _scrape(http)
 
-    from kvray.deploy.app import build_app
-    from kvray.deploy.settings import ServeConfig
-    from kvray.models.embedded import ensure_embedded_model
+    def moved(name: str) -> float:
+        was = before.get(name)
+        return after["samples"][name].value - (0.0 if was is None else was.value)
 
-    already_running = _serve_running(ray_session)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:  # Serve may already run (started by another module) on its own port
-        from ray.serve.context import _get_global_client
-
-        controller = _get_global_client()._controller
-        port = ray_session.get(controller.get_http_config.remote()).port
-    except Exception:  # noqa: BLE001 - private API; the port asked for is right otherwise
-        pass
-    settings = ServeConfig(
-        model=str(ensure_embedded_model()),
-        num_pages=256,
-        served_model_name=MODEL_NAME,
-        app_name=APP_NAME,
-    ).resolved()
-    serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
-    try:
-        base = f"http://127.0.0.1:{port}"
-        with httpx.Client(base_url=base, timeout=60) as client:
-            r = client.post(
-                "/v1/completions",
-                json={
-                    "model": MODEL_NAME,
-                    "prompt": "The capital of France is",
-                    "max_tokens": 4,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-            )
-            assert r.status_code == 200, r.text
-            text = client.get("/metrics").text
-    finally:
-        serve.delete(APP_NAME)
-        if not already_running:
-            serve.shutdown()  # free the HTTP port for the next module's own serve.start
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    samples = {s.name: s for f in families.values() for s in f.samples}
-    return {"families": families, "samples": samples, "text": text}
+    after["moved"] = moved
+    after["usage"] = r.json()["usage"]
+    return after
 
 
 def test_dashboard_metrics_are_exported(live_metrics):
@@ -257,13 +217,13 @@ def test_dashboard_metrics_are_exported(live_metrics):
     # Every queried family carries the model_name label the dashboard filters on.
     for name in names:
         family = families[expected_family(name)[0]]
-        assert any(s.labels.get("model_name") == MODEL_NAME for s in family.samples), name
+        assert any(s.labels.get("model_name") == MODEL for s in family.samples), name
 
 
 def test_histograms_hold_the_request(live_metrics):
-    samples = live_metrics["samples"]
+    moved = live_metrics["moved"]
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
-        assert samples[f"kvray:{hist}_count"].value >= 1, hist
-    assert samples["kvray:inter_token_latency_seconds_count"].value >= 3  # 4 tokens, 3 gaps
-    assert samples["kvray:generation_tokens_total"].value >= 4
-    assert samples["kvray:prompt_tokens_total"].value >= 1
+        assert moved(f"kvray:{hist}_count") == 1, hist
+    assert moved("kvray:inter_token_latency_seconds_count") == 3  # 4 tokens, 3 gaps
+    assert moved("kvray:generation_tokens_total") == 4
+    assert moved("kvray:prompt_tokens_total") == live_metrics["usage"]["prompt_tokens"]
