@@ -31,10 +31,11 @@ import torch
 from hash_chain import HashChainExecutor
 
 from kvray.bench.dispatch import write_tiny_llama
-from kvray.cluster.llm import LLM, chat_prompt_ids
+from kvray.cluster.llm import LLM
 from kvray.config import SchedulerConfig
 from kvray.core import SamplingParams
 from kvray.scheduler import Scheduler
+from kvray.text import chat_ids
 
 VOCAB = 301
 MAX_NEW = 12
@@ -293,7 +294,7 @@ def smol_refs() -> dict[str, Any]:
     tok = tp1.tokenizer
     ids = [list(tok(t)["input_ids"]) for t in SMOL_TEXTS]
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    ids.append(chat_prompt_ids(tok, chat))
+    ids.append(chat_ids(tok, chat))
     tp1_out = [o.token_ids for o in tp1.generate(ids, greedy(SMOL_NEW))]
     _LIVE.remove(tp1)
     assert_clean(tp1)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from kvray.detokenizer import IncrementalDetokenizer
 from kvray.models.embedded import ensure_embedded_model
+from kvray.text import IncrementalDetokenizer
 
 REPLACEMENT = "\ufffd"
 

@@ -99,6 +99,25 @@ def test_rejects_requests_that_can_never_fit():
     assert not sched.reqs.keys() - {2}
 
 
+def test_checks_a_prompt_once_against_the_engines_limits():
+    """The one prompt check both front ends rely on: the field it names is what the
+    server's 400 names (a prompt that leaves no room is the prompt's fault)."""
+    cfg = SchedulerConfig(num_pages=4, page_size=4, max_seq_len=64, max_prefill_tokens=16)
+    sched = Scheduler(cfg, eos_token_ids=[EOS], vocab_size=VOCAB)  # the pool holds 16 tokens
+    for bad in ([1, VOCAB], [-1], [1, True], [2**40]):
+        with pytest.raises(RequestRejected, match="vocabulary") as err:
+            sched.add_request(0, bad, SamplingParams(max_tokens=1))
+        assert err.value.param == "prompt"
+    with pytest.raises(RequestRejected, match="no room") as err:
+        sched.add_request(0, [1] * 16, SamplingParams(max_tokens=1))
+    assert err.value.param == "prompt"
+    with pytest.raises(RequestRejected, match="exceeds") as err:
+        sched.add_request(0, [1] * 15, SamplingParams(max_tokens=2))
+    assert err.value.param == "max_tokens"
+    assert not sched.reqs
+    sched.add_request(0, [1] * 15, SamplingParams(max_tokens=1))
+
+
 def test_decode_grows_page_by_page_and_retracts_instead_of_reserving():
     # Four requests that each need the whole pool eventually: all are admitted at once
     # (nothing reserved up front), the pool runs dry, the newest are retracted, and every

@@ -25,23 +25,12 @@ import numpy as np
 
 from kvray.cluster.executor import Executor, WorkerFailure
 from kvray.cluster.spec import EngineSpec
-from kvray.core import FinishReason, RequestRejected, SamplingParams, StepPlan, TokenEvent
+from kvray.core import FinishReason, SamplingParams, StepPlan, TokenEvent
 from kvray.scheduler import Scheduler, SchedulerStats
 
 
 class EngineFailed(RuntimeError):
     """The engine lost its workers and could not rebuild them."""
-
-
-def validate_prompt(input_ids: Sequence[int], vocab_size: int) -> list[int]:
-    """Token ids must be ints in [0, vocab_size)."""
-    ids = list(input_ids)
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise RequestRejected(
-                f"token id {t!r} is not in this model's vocabulary [0, {vocab_size})", "prompt"
-            )
-    return ids
 
 
 class EngineCore:
@@ -64,8 +53,9 @@ class EngineCore:
         self.failed: str | None = None
 
     def _new_scheduler(self) -> Scheduler:
+        spec = self.spec
         return Scheduler(
-            self.spec.scheduler_config(), self.spec.eos_token_ids, seed=self.spec.config.seed
+            spec.scheduler_config(), spec.eos_token_ids, spec.config.seed, spec.vocab_size
         )
 
     # -- requests -------------------------------------------------------------------------------
@@ -76,13 +66,13 @@ class EngineCore:
     def add_request(
         self, input_ids: Sequence[int], sampling: SamplingParams, rid: int | None = None
     ) -> int:
-        """Queue a request; raises RequestRejected if it can never be served."""
-        ids = validate_prompt(input_ids, self.spec.vocab_size)
+        """Queue a request; raises RequestRejected (the scheduler's check against this
+        engine's vocabulary and sequence length) if it can never be served."""
         with self._lock:
             if self.failed is not None:
                 raise EngineFailed(self.failed)
             rid = self.new_rid() if rid is None else rid
-            self.scheduler.add_request(rid, ids, sampling)
+            self.scheduler.add_request(rid, input_ids, sampling)
             return rid
 
     def abort(self, rid: int, reason: FinishReason = FinishReason.ABORT) -> TokenEvent | None:

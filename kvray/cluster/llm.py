@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,14 +11,8 @@ from kvray.cluster.engine_core import EngineFailed
 from kvray.cluster.local import LocalEngine
 from kvray.cluster.spec import EngineSpec
 from kvray.config import EngineConfig
-from kvray.core import (
-    FinishReason,
-    RequestRejected,
-    SamplingParams,
-    TokenEvent,
-    ended_on_stop_token,
-)
-from kvray.detokenizer import IncrementalDetokenizer
+from kvray.core import FinishReason, SamplingParams, TokenEvent
+from kvray.text import Message, OutputState, chat_ids, encode, load_tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -33,21 +27,6 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-
-def load_tokenizer(path: Any) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of `messages` through the tokenizer's chat template, ready for the
-    assistant's reply. The template writes its own special tokens."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise RequestRejected("this model's tokenizer has no chat template", "messages")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class LLM:
@@ -101,7 +80,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
-            return list(self.tokenizer(prompt)["input_ids"])
+            return encode(self.tokenizer, prompt)
         return list(prompt)
 
     def generate(
@@ -123,74 +102,60 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompt_ids):
                 raise ValueError(f"{len(params)} sampling params for {len(prompt_ids)} prompts")
-
-        if self.tokenizer is None and any(sp.stop for sp in params):
-            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
-        outputs: dict[int, CompletionOutput] = {}
-        detoks: dict[int, IncrementalDetokenizer | None] = {}
-        order: list[int] = []
-        live: set[int] = set()
-        params_of: dict[int, SamplingParams] = {}
+        states = [
+            OutputState(ids, sp, self.tokenizer) for ids, sp in zip(prompt_ids, params, strict=True)
+        ]
+        live: dict[int, OutputState] = {}  # by request id, until finished
         try:
-            for ids, sp in zip(prompt_ids, params, strict=True):
-                rid = self.engine.submit(ids, sp)
-                order.append(rid)
-                live.add(rid)
-                outputs[rid] = CompletionOutput(prompt_token_ids=ids)
-                params_of[rid] = sp
-                detoks[rid] = (
-                    None
-                    if self.tokenizer is None
-                    else IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
-                )
+            for ids, sp, state in zip(prompt_ids, params, states, strict=True):
+                live[self.engine.submit(ids, sp)] = state
             while live:
                 for ev in self.engine.poll(sorted(live)):
-                    if ev.rid not in live:
-                        continue
-                    self._apply(ev, outputs[ev.rid], detoks[ev.rid], params_of[ev.rid])
-                    if outputs[ev.rid].finish_reason is not None:
-                        live.discard(ev.rid)
+                    out = live.get(ev.rid)
+                    if out is not None and self._take(ev, out):
+                        del live[ev.rid]
         except BaseException:
             for rid in live:
                 self.engine.abort(rid)
             raise
-        return [outputs[rid] for rid in order]
+        return [_completion(ids, state) for ids, state in zip(prompt_ids, states, strict=True)]
 
-    def _apply(
-        self,
-        ev: TokenEvent,
-        out: CompletionOutput,
-        detok: IncrementalDetokenizer | None,
-        sp: SamplingParams,
-    ) -> None:
-        """Record one event; `detok` is None without a tokenizer (token ids only)."""
+    def _take(self, ev: TokenEvent, state: OutputState) -> bool:
+        """Record one event of a live request; True once it has finished."""
         if ev.error is not None:
             raise EngineFailed(ev.error)
-        final = ev if ev.finished else None
-        if ev.token_id is not None:
-            out.token_ids.append(ev.token_id)
-            if ev.logprob is not None:
-                out.logprobs.append(ev.logprob)
-            if detok is not None and not ended_on_stop_token(ev, sp):
-                detok.push(ev.token_id)
-                if detok.stopped and final is None:  # a stop string: end the request here
-                    final = self.engine.abort(ev.rid, FinishReason.STOP)
-        if final is None:
-            return
-        # A stop string wins over length (the token that completed it may be the last one).
-        stopped = detok is not None and detok.stopped
-        out.finish_reason = FinishReason.STOP.value if stopped else final.finish_reason
-        if detok is not None:
-            detok.flush()
-            out.text = detok.text
-        out.num_cached_tokens = final.num_cached_tokens or 0
+        if state.add(ev).stop_string_hit:  # end the request here; its last event completes it
+            final = self.engine.abort(ev.rid, FinishReason.STOP)
+            if final is not None:
+                state.add(final)
+        return state.finished
 
     def chat(
         self,
-        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        special_tokens_in_messages: bool = False,
     ) -> list[CompletionOutput]:
-        """Apply the chat template to one conversation or a list of them and generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [chat_prompt_ids(self.tokenizer, list(c)) for c in conversations]  # type: ignore[arg-type]
+        """Apply the chat template to one conversation or a list of them and generate.
+        Special-token text typed in a message stays text (see `kvray.text.prompt`) unless
+        `special_tokens_in_messages`."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [
+            chat_ids(self.tokenizer, c, special_tokens_in_messages)  # type: ignore[arg-type]
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params)
+
+
+def _completion(prompt_ids: list[int], state: OutputState) -> CompletionOutput:
+    assert state.finish_reason is not None
+    return CompletionOutput(
+        prompt_token_ids=prompt_ids,
+        token_ids=state.token_ids,
+        text=state.text,
+        finish_reason=state.finish_reason.value,
+        logprobs=[lp for _, lp, _ in state.logprobs],
+        num_cached_tokens=state.num_cached_tokens,
+    )

@@ -11,9 +11,9 @@ import asyncio
 import hmac
 import json
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,15 +23,19 @@ from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvray.deploy.openai import APIError, OpenAIServing
+from kvray.deploy.openai import ChunkStream, OpenAIServing
 from kvray.deploy.openapi import build_openapi
 from kvray.deploy.protocol import (
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    Health,
     HugeInt,
     error_body,
     json_kind,
 )
+
+Body = TypeVar("Body", bound=BaseModel)
 
 _TYPES = {
     401: "invalid_request_error",
@@ -150,7 +154,7 @@ def _first_error(e: ValidationError) -> ErrorDetails:
     return (huge or own or errors)[0]
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+def parse_body(raw: bytes, model: type[Body]) -> Body:
     """Validate a request body against `model`; raises APIError(400) naming the field."""
     try:
         data = json.loads(raw, parse_int=_parse_int)
@@ -167,18 +171,46 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise APIError(400, message, param) from None
 
 
-async def _sse_guard(stream: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Once streaming has started, an error becomes a final error event, not a dropped line."""
+# -- responses --------------------------------------------------------------------------------
+
+
+async def _sse(events: ChunkStream[BaseModel]) -> AsyncGenerator[str, None]:
+    """Server-sent events: `data: <json>` per model, then `data: [DONE]`. Once streaming has
+    started, an error becomes a last event holding an error body (ASCII-escaped, as error
+    bodies are), not a dropped line."""
     try:
-        async for chunk in stream:
-            yield chunk
+        async for event in events:
+            yield f"data: {json.dumps(event.model_dump(), ensure_ascii=False)}\n\n"
     except APIError as e:
         yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.status))}\n\n"
-        yield "data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001 - a bug: still a well-formed end of the stream
         body = error_body(f"internal error: {type(e).__name__}: {e}", _TYPES[500], None, 500)
         yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream whose source is closed however the response ends (a
+    client that went away included), so the requests behind it end then: not whenever a
+    generator happens to be garbage-collected."""
+
+    def __init__(self, events: ChunkStream[BaseModel]) -> None:
+        self._source = events
+        self._events = _sse(events)
+        super().__init__(self._events, media_type="text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            await self._source.aclose()  # also when the events never started
+
+
+def _respond(result: BaseModel | ChunkStream[BaseModel]) -> Response:
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump())
+    return _EventStream(result)
 
 
 # -- ASGI middleware ------------------------------------------------------------------------------
@@ -268,7 +300,9 @@ def create_app(
     open_paths = {"/health", *public_paths}
     app = FastAPI(title="kvray", docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # _Front serves /x/ as /x instead
-    openapi = build_openapi(serving.model_name, bool(api_key), public_paths, serving.vocab_size)
+    openapi = build_openapi(
+        serving.model_name, bool(api_key), public_paths, serving.limits.vocab_size
+    )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> Response:
@@ -282,30 +316,25 @@ def create_app(
     async def internal_error(_: Request, e: Exception) -> Response:
         return _error(500, f"internal error: {type(e).__name__}: {e}")
 
-    async def respond(result: Any) -> Response:
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(_sse_guard(result), media_type="text/event-stream")
-
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = parse_body(await request.body(), CompletionRequest)
-        return await respond(await serving.completions(req))
+        return _respond(await serving.completions(req))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = parse_body(await request.body(), ChatCompletionRequest)
-        return await respond(await serving.chat(req))
+        return _respond(await serving.chat(req))
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(serving.models())
+    async def models() -> Response:
+        return _respond(serving.models())
 
     @app.get("/health")
     async def healthz() -> Response:
         if health is not None and not await health():
             return _error(503, "no engine can serve: the health probe's generation step failed")
-        return JSONResponse({"status": "ok"})
+        return _respond(Health(status="ok"))
 
     @app.get("/metrics")
     async def metrics() -> Response:

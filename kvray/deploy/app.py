@@ -14,9 +14,14 @@ from typing import Any
 import ray
 from prometheus_client import CollectorRegistry
 from ray import serve
+from ray.actor import ActorHandle
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.types import ASGIApp
 
 from kvray.cluster.engine import ACTOR_NAMESPACE
 from kvray.core import RequestRejected, SamplingParams, TokenEvent
+from kvray.deploy.generation import EngineLimits
 from kvray.deploy.settings import ServeConfig
 
 SCHEDULER_PREFIX = "kvray-scheduler-"
@@ -45,10 +50,17 @@ class EngineDeployment:
         )
         self.actor = self.engine.actor
 
+    async def limits(self) -> EngineLimits:
+        spec = self.engine.spec
+        return EngineLimits(max_seq_len=spec.max_seq_len, vocab_size=spec.vocab_size)
+
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams
     ) -> AsyncIterator[tuple[str, int] | list[TokenEvent]]:
-        """First yields (scheduler actor name, request id), then batches of events."""
+        """First yields (scheduler actor name, request id), then batches of events up to
+        the finishing one. The request's only abort on the way: this stream ends before
+        its finishing event (the ingress cancelled it, `EngineStream.cancel`), and the
+        request's pages are freed at once."""
         try:
             rid = await self.actor.submit.remote(input_ids, sampling)
         except Exception as e:
@@ -61,7 +73,7 @@ class EngineDeployment:
                 yield batch
                 done = bool(batch) and batch[-1].finished
         finally:
-            if not done:  # the caller went away: free the request's pages now
+            if not done:
                 self.actor.abort.remote(rid, "abort")
 
     async def stats(self) -> dict[str, Any]:
@@ -84,7 +96,9 @@ class EngineDeployment:
 
 
 class _ServeStream:
-    def __init__(self, gen: Any, actor: Any, rid: int) -> None:
+    """An EngineStream over the engine deployment's `generate` stream."""
+
+    def __init__(self, gen: DeploymentResponseGenerator, actor: ActorHandle, rid: int) -> None:
         self._gen = gen
         self._actor = actor
         self._rid = rid
@@ -93,23 +107,28 @@ class _ServeStream:
         async for batch in self._gen:
             yield batch
 
-    async def abort(self, reason: str) -> None:
-        self._actor.abort.remote(self._rid, reason)  # fire and forget: never blocks a cancel
-        self._gen.cancel()
+    def stop(self) -> None:
+        # Straight to the request's scheduler (the deployment's router could pick another
+        # replica); fire and forget: the finishing event comes on the stream.
+        self._actor.abort.remote(self._rid, "stop")
+
+    def cancel(self) -> None:
+        self._gen.cancel()  # EngineDeployment.generate then aborts the request
 
 
 class ServeEngineClient:
     """EngineClient over the engine deployment's handle."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle.options(stream=True)
-        self._actors: dict[str, Any] = {}
+        self._actors: dict[str, ActorHandle] = {}
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> _ServeStream:
         gen = self._handle.generate.remote(input_ids, sampling)
         try:
             name, rid = await gen.__anext__()
-        except Exception as e:
+        except BaseException as e:
+            gen.cancel()  # if it was queued meanwhile, the engine aborts it
             err = _unwrap(e)
             if isinstance(err, RequestRejected):
                 raise err from None
@@ -144,49 +163,35 @@ def engine_stats(app_name: str) -> list[dict[str, Any]]:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
 @serve.ingress()
 class Ingress:
-    def __init__(self, engine: Any, settings: dict[str, Any]) -> None:
-        from kvray.cluster.llm import load_tokenizer
-        from kvray.cluster.spec import EngineSpec
+    def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]) -> None:
+        from kvray.cluster.spec import resolve_model_path
         from kvray.deploy.api import ServerState
         from kvray.deploy.metrics import EngineCollector, RequestMetrics
-        from kvray.deploy.openai import OpenAIServing, ServingLimits
+        from kvray.text import load_tokenizer
 
         s = ServeConfig(**settings)
         self.settings = s
-        spec = EngineSpec.resolve(s.engine_config, progress=False)
+        self.engine = engine
+        self.tokenizer = load_tokenizer(resolve_model_path(s.model, progress=False))
         self.registry = CollectorRegistry()
         name = s.served_model_name
         assert name is not None, "replicas get resolved settings (ServeConfig.resolved)"
-        metrics = RequestMetrics(self.registry, name)
+        self.model_name = name
+        self.metrics = RequestMetrics(self.registry, name)
         self.registry.register(EngineCollector(name, lambda: engine_stats(s.app_name)))
         self.state = ServerState()
-        self.serving = OpenAIServing(
-            name,
-            load_tokenizer(spec.model_path),
-            spec.max_seq_len,
-            spec.vocab_size,
-            ServeEngineClient(engine),
-            metrics,
-            ServingLimits(s.max_tokens_default, s.max_tokens_cap, s.special_tokens_in_messages),
-        )
 
     async def _healthy(self) -> bool:
         """A real step: one one-token request through an engine, within the timeout.
         (An engine that still answers calls but cannot generate is not healthy.)"""
-        probe = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        ids = [self.serving.document_start_id()]
-
-        async def one_token() -> bool:
-            got = False
-            async for batch in await self.serving.engine.generate(ids, probe):
-                if any(ev.error is not None for ev in batch):
-                    return False
-                got = got or any(ev.token_id is not None for ev in batch)
-            return got
+        from kvray.deploy.generation import generates
 
         try:
-            return await asyncio.wait_for(one_token(), self.settings.health_timeout_s)
-        except Exception:  # noqa: BLE001 - a dead actor, a missing replica, a timeout
+            ids = self.serving.prepare.document_start()
+            return await asyncio.wait_for(
+                generates(self.serving.engine, ids), self.settings.health_timeout_s
+            )
+        except Exception:  # noqa: BLE001 - a dead actor, a missing replica, a timeout, a 503
             return False
 
     async def drain(self) -> int:
@@ -197,10 +202,21 @@ class Ingress:
     async def inflight(self) -> int:
         return self.state.inflight
 
-    def __serve_build_asgi_app__(self) -> Any:
+    async def __serve_build_asgi_app__(self) -> ASGIApp:
         from kvray.deploy.api import create_app
+        from kvray.deploy.openai import OpenAIServing
 
         s = self.settings
+        # The engine's context and vocabulary are the engine's to say: asked once, here.
+        limits: EngineLimits = await self.engine.limits.remote()
+        self.serving = OpenAIServing(
+            self.model_name,
+            self.tokenizer,
+            limits,
+            ServeEngineClient(self.engine),
+            self.metrics,
+            s,
+        )
         return create_app(
             self.serving, self.registry, s.api_key, self._healthy, s.public_paths, self.state
         )
@@ -235,7 +251,7 @@ def live_placement_groups(prefix: str = "kvray-pg-") -> int:
     )
 
 
-def build_app(settings: ServeConfig) -> Any:
+def build_app(settings: ServeConfig) -> Application:
     """The app for resolved settings (`ServeConfig.resolved`), as Serve replicas get it."""
     raw = settings.model_dump()
     engine = EngineDeployment.options(num_replicas=settings.replicas).bind(raw)

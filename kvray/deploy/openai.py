@@ -1,34 +1,29 @@
-"""The OpenAI protocol over an engine: requests in, completions / chat completions out.
+"""The OpenAI endpoints' responses: choices running on an engine, formatted as the pydantic
+response models of `protocol.py`.
 
-Framework-free: `OpenAIServing` takes validated pydantic requests and returns either a
-response dict or an async iterator of SSE lines; the FastAPI routes in `api.py` only glue
-it to HTTP. Tokenization, the chat template, incremental detokenization and stop strings
-happen here; the engine sees token ids only.
+Framework-free: `OpenAIServing` takes validated requests and returns a response model, or
+for a stream an async iterator of chunk models; `api.py` serializes them at the HTTP edge
+(JSON, or server-sent events). Turning a request into engine requests is `prepare.py`'s
+job and running them `generation.py`'s; what is left here is the response bodies: text,
+finish reasons, logprobs and usage, whole or chunk by chunk.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar, cast
 
 from pydantic import BaseModel
 
-from kvray.core import (
-    FinishReason,
-    RequestRejected,
-    SamplingParams,
-    TokenEvent,
-    ended_on_stop_token,
-)
-from kvray.deploy.chat import chat_ids
+from kvray.core import FinishReason, RequestRejected
+from kvray.deploy.generation import AsyncEngineClient, EngineLimits, Generation
 from kvray.deploy.metrics import RequestMetrics
+from kvray.deploy.prepare import Prepared, Preparer
 from kvray.deploy.protocol import (
+    APIError,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -47,119 +42,76 @@ from kvray.deploy.protocol import (
     TopLogprob,
     Usage,
 )
-from kvray.detokenizer import IncrementalDetokenizer
+from kvray.deploy.protocol import FinishReason as ResponseFinish
+from kvray.deploy.settings import ServeConfig
+from kvray.text import Logprob, OutputDelta, OutputState
+
+if TYPE_CHECKING:
+    from kvray.text.prompt import Tokenizer
+
+# A response never says "abort": an aborted request is an error (503) instead.
+_FINISH: dict[FinishReason, ResponseFinish] = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+}
 
 
-class APIError(Exception):
-    """An error with its HTTP status and OpenAI error body fields."""
+class _Head(TypedDict):
+    """The fields every response body of one request starts with."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type_: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type_
+    id: str
+    created: int
+    model: str
 
 
-class EngineStream(Protocol):
-    """One request's events; `abort(reason)` ends it early (a stop string, a disconnect)."""
-
-    def __aiter__(self) -> AsyncIterator[list[TokenEvent]]: ...
-
-    async def abort(self, reason: str) -> None: ...
+Chunk = TypeVar("Chunk", bound=BaseModel, covariant=True)
 
 
-class EngineClient(Protocol):
-    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> EngineStream:
-        """Submit a request (raises RequestRejected) and return its event stream."""
-        ...
+class ChunkStream(Generic[Chunk]):
+    """A streamed response: its chunks, and the choices behind them. `aclose()` ends the
+    choices still running however far the stream got, even if it never started (a client
+    that went away before the first chunk): the one way a stream's requests are aborted."""
+
+    def __init__(self, chunks: AsyncGenerator[Chunk, None], generation: Generation) -> None:
+        self._chunks = chunks
+        self._generation = generation
+
+    def __aiter__(self) -> AsyncGenerator[Chunk, None]:
+        return self._chunks
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            self._generation.close()
 
 
-_Logprob = tuple[int, float, tuple[tuple[int, float], ...] | None]
-_Job = tuple[int, list[int], SamplingParams]
-
-
-@dataclass
-class _Choice:
-    """One generated sequence as it accumulates."""
-
-    index: int
-    prompt_len: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[_Logprob] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Delta:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[_Logprob]
-    finish_reason: str | None
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-@dataclass(frozen=True)
-class ServingLimits:
-    """Server-side policy for what requests may ask.
-
-    `max_tokens_default`: the limit when a request sets none (`max_tokens` null, or
-    omitted on chat); None = the rest of the context, as vLLM. `max_tokens_cap`: the most
-    any request may ask for (more is a 400). `special_tokens_in_messages`: tokenize chat
-    content the plain way, so typed special-token text becomes special tokens (vLLM's
-    default; off here, see `chat.py`)."""
-
-    max_tokens_default: int | None = None
-    max_tokens_cap: int | None = None
-    special_tokens_in_messages: bool = False
-
-
-def _engine_failure(e: BaseException) -> APIError:
-    return APIError(
-        503,
-        f"the engine failed while serving this request ({type(e).__name__}); retry shortly",
-        None,
-        "ServiceUnavailableError",
-    )
+def _finish(reason: FinishReason | None) -> ResponseFinish | None:
+    return None if reason is None else _FINISH[reason]
 
 
 class OpenAIServing:
     def __init__(
         self,
         model_name: str,
-        tokenizer: Any,
-        max_seq_len: int,
-        vocab_size: int,
-        engine: EngineClient,
+        tokenizer: Tokenizer,
+        limits: EngineLimits,
+        engine: AsyncEngineClient,
         metrics: RequestMetrics | None = None,
-        limits: ServingLimits | None = None,
+        policy: ServeConfig | None = None,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
-        self.max_seq_len = max_seq_len
-        self.vocab_size = vocab_size
+        self.limits = limits
         self.engine = engine
         self.metrics = metrics
-        self.limits = limits or ServingLimits()
+        self.prepare = Preparer(tokenizer, limits, policy or ServeConfig())
 
-    # -- /v1/models -------------------------------------------------------------------------------
-
-    def models(self) -> dict[str, Any]:
+    def models(self) -> ModelList:
         card = ModelCard(
-            id=self.model_name, created=0, owned_by="kvray", max_model_len=self.max_seq_len
+            id=self.model_name, created=0, owned_by="kvray", max_model_len=self.limits.max_seq_len
         )
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[card])
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -170,200 +122,112 @@ class OpenAIServing:
                 "NotFoundError",
             )
 
-    # -- request preparation ------------------------------------------------------------------
+    async def _start(
+        self, model: str | None, prepare: Callable[[], Prepared]
+    ) -> tuple[Prepared, Generation]:
+        """Check the model, prepare the request, and start its choices; the engine's
+        rejection becomes the 400 naming the request's field."""
+        self._check_model(model)
+        prepared = prepare()
+        try:
+            gen = await Generation.start(self.engine, prepared.jobs, self.tokenizer, self.metrics)
+        except RequestRejected as e:
+            raise prepared.rejected(e) from None
+        return prepared, gen
 
-    @functools.cached_property
-    def _document_start(self) -> int | None:
-        tok = self.tokenizer
-        vocab = tok.get_vocab()
-        for candidate in ("<|endoftext|>", tok.bos_token, tok.eos_token):
-            if candidate is not None and candidate in vocab:
-                return int(vocab[candidate])
-        return None
-
-    def document_start_id(self) -> int:
-        """What a null prompt means: the reference's `<|endoftext|>` (the document
-        separator) where the vocabulary has it, else the BOS token, else EOS."""
-        if self._document_start is None:
-            raise APIError(
-                400, "this model has no start-of-document token: send a prompt", "prompt"
-            )
-        return self._document_start
-
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
-        else:
-            ids = list(prompt)
-            for t in ids:
-                if not 0 <= t < self.vocab_size:
-                    raise APIError(
-                        400,
-                        f"token id {t} is outside the vocabulary [0, {self.vocab_size})",
-                        "prompt",
-                    )
-        if not ids:
-            raise APIError(400, "the prompt is empty", "prompt")
-        return ids
-
-    def _max_tokens(
-        self, prompt_len: int, requested: int | None, prompt_field: str, field_name: str
-    ) -> int:
-        """The request's token budget: what it asked for (checked against the cap and the
-        context), or the server's default bounded by the context."""
-        room = self.max_seq_len - prompt_len
-        if room <= 0:
-            raise APIError(
-                400,
-                f"the prompt has {prompt_len} tokens; this model's context is "
-                f"{self.max_seq_len} tokens",
-                prompt_field,
-            )
-        cap, default = self.limits.max_tokens_cap, self.limits.max_tokens_default
-        if requested is None:
-            return min(x for x in (room, default, cap) if x is not None)
-        if cap is not None and requested > cap:
-            raise APIError(
-                400,
-                f"{field_name} is {requested}; this server allows at most {cap} tokens per request",
-                field_name,
-            )
-        if requested > room:
-            raise APIError(
-                400,
-                f"the prompt has {prompt_len} tokens and {field_name} is {requested}: "
-                f"{prompt_len + requested} exceeds this model's context of "
-                f"{self.max_seq_len} tokens",
-                field_name,
-            )
-        return requested
-
-    @staticmethod
-    def _sampling(
-        req: CompletionRequest | ChatCompletionRequest,
-        max_tokens: int,
-        choice: int,
-        logprobs: int | None,
-    ) -> SamplingParams:
-        # n choices of one seeded request differ from each other, and each is reproducible.
-        seed = None if req.seed is None else (req.seed + choice) % (2**63)
-        return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            max_tokens=max_tokens,
-            stop=tuple(req.stop or ()),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=bool(req.ignore_eos),
-            seed=seed,
-            logprobs=logprobs,
+    def _head(self, kind: str) -> _Head:
+        return _Head(
+            id=f"{kind}-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
         )
 
-    # -- running choices -----------------------------------------------------------------------
+    # -- /v1/completions ---------------------------------------------------------------------
 
-    async def _submit(self, ids: list[int], sp: SamplingParams) -> EngineStream:
-        try:
-            return await self.engine.generate(ids, sp)
-        except RequestRejected as e:
-            raise APIError(400, str(e), e.param) from None
-        except APIError:
-            raise
-        except Exception as e:  # noqa: BLE001 - no engine could take it: a 503, not a 500
-            raise _engine_failure(e) from None
+    async def completions(self, req: CompletionRequest) -> Completion | ChunkStream[Completion]:
+        prepared, gen = await self._start(req.model, lambda: self.prepare.completion(req))
+        head = self._head("cmpl")
+        if req.stream:
+            return ChunkStream(self._completion_chunks(req, prepared, gen, head), gen)
+        await gen.wait()
+        choices = [self._completion_choice(req, i, out) for i, out in enumerate(gen.outputs)]
+        return Completion(**head, choices=choices, usage=_usage(prepared, gen.outputs))
 
-    @staticmethod
-    async def _events(stream: EngineStream) -> AsyncIterator[list[TokenEvent]]:
-        """The stream's event batches; an engine that dies mid-stream is a 503."""
-        it = stream.__aiter__()
-        while True:
-            try:
-                batch = await it.__anext__()
-            except StopAsyncIteration:
-                return
-            except Exception as e:  # noqa: BLE001 - the actor or replica went away
-                raise _engine_failure(e) from None
-            yield batch
+    def _completion_choice(
+        self, req: CompletionRequest, index: int, part: OutputState | OutputDelta, offset: int = 0
+    ) -> CompletionChoice:
+        """A choice whole (`part` its OutputState) or one chunk of it (an OutputDelta whose
+        text starts at `offset` in the choice's text)."""
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = self._completion_logprobs(part.logprobs, offset)
+        finish = _finish(part.finish_reason)
+        return CompletionChoice(
+            index=index, text=part.text, logprobs=logprobs, finish_reason=finish
+        )
 
-    async def _run(self, index: int, ids: list[int], sp: SamplingParams) -> AsyncIterator[_Delta]:
-        """One choice: submit, detokenize, cut at stop strings, observe metrics."""
-        stream = await self._submit(ids, sp)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
-        tracker = self.metrics.track(len(ids)) if self.metrics is not None else None
-        finished = False
-        try:
-            async for batch in self._events(stream):
-                for ev in batch:
-                    if ev.error is not None:
-                        raise APIError(503, ev.error, None, "ServiceUnavailableError")
-                    if ev.finish_reason is FinishReason.ABORT:
-                        raise APIError(
-                            503, "the engine aborted this request", None, "ServiceUnavailableError"
-                        )
-                    text, toks, lps = "", [], []
-                    if ev.token_id is not None:
-                        toks.append(ev.token_id)
-                        if tracker is not None:
-                            tracker.token()
-                        if not ended_on_stop_token(ev, sp):
-                            text = detok.push(ev.token_id)
-                        if ev.logprob is not None:
-                            lps.append((ev.token_id, ev.logprob, ev.top_logprobs))
-                    reason = ev.finish_reason.value if ev.finish_reason is not None else None
-                    if detok.stopped and reason is None:  # a stop string wins over length
-                        await stream.abort("stop")
-                        reason = "stop"
-                    if reason is not None:
-                        text += detok.flush()
-                        if detok.stopped:
-                            reason = "stop"
-                        finished = True
-                        if tracker is not None:
-                            tracker.finish(reason, ev.queue_time_s)
-                    yield _Delta(index, text, toks, lps, reason)
-                    if finished:
-                        return
-        finally:
-            if not finished:
-                if tracker is not None:
-                    tracker.finish("abort")
-                await stream.abort("abort")
+    async def _completion_chunks(
+        self, req: CompletionRequest, prepared: Prepared, gen: Generation, head: _Head
+    ) -> AsyncGenerator[Completion, None]:
+        offsets = [0] * len(gen.outputs)  # of each choice's text sent so far
+        async with aclosing(gen.deltas()) as deltas:
+            async for c in deltas:
+                d = c.delta
+                if not d.shows_something:
+                    continue
+                choice = self._completion_choice(req, c.index, d, offsets[c.index])
+                offsets[c.index] += len(d.text)
+                yield Completion(**head, choices=[choice])
+        if req.include_usage:
+            yield Completion(**head, choices=[], usage=_usage(prepared, gen.outputs))
 
-    async def _merged(self, jobs: Sequence[_Job]) -> AsyncIterator[_Delta]:
-        """Run every choice concurrently; yield their deltas as they come."""
-        queue: asyncio.Queue[_Delta | BaseException | None] = asyncio.Queue()
+    # -- /v1/chat/completions ----------------------------------------------------------------
 
-        async def pump(index: int, ids: list[int], sp: SamplingParams) -> None:
-            try:
-                async for d in self._run(index, ids, sp):
-                    queue.put_nowait(d)
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait(e)
-                return
-            queue.put_nowait(None)
+    async def chat(
+        self, req: ChatCompletionRequest
+    ) -> ChatCompletion | ChunkStream[ChatCompletionChunk]:
+        prepared, gen = await self._start(req.model, lambda: self.prepare.chat(req))
+        head = self._head("chatcmpl")
+        if req.stream:
+            return ChunkStream(self._chat_chunks(req, prepared, gen, head), gen)
+        await gen.wait()
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=out.text),
+                logprobs=self._chat_logprobs(out.logprobs) if req.logprobs else None,
+                finish_reason=_finish(out.finish_reason),
+            )
+            for i, out in enumerate(gen.outputs)
+        ]
+        return ChatCompletion(**head, choices=choices, usage=_usage(prepared, gen.outputs))
 
-        tasks = [asyncio.create_task(pump(*job)) for job in jobs]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    async def _chat_chunks(
+        self, req: ChatCompletionRequest, prepared: Prepared, gen: Generation, head: _Head
+    ) -> AsyncGenerator[ChatCompletionChunk, None]:
+        for i in range(len(gen.outputs)):
+            role = ChatDelta(role="assistant", content="")
+            first = ChatChunkChoice(index=i, delta=role, logprobs=None, finish_reason=None)
+            yield ChatCompletionChunk(**head, choices=[first])
+        async with aclosing(gen.deltas()) as deltas:
+            async for c in deltas:
+                d = c.delta
+                if not d.shows_something:
+                    continue
+                choice = ChatChunkChoice(
+                    index=c.index,
+                    delta=ChatDelta(content=d.text or None),
+                    logprobs=self._chat_logprobs(d.logprobs) if req.logprobs else None,
+                    finish_reason=_finish(d.finish_reason),
+                )
+                yield ChatCompletionChunk(**head, choices=[choice])
+        if req.include_usage:
+            yield ChatCompletionChunk(**head, choices=[], usage=_usage(prepared, gen.outputs))
 
-    # -- formatting ------------------------------------------------------------------------------
+    # -- logprobs ----------------------------------------------------------------------------
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return cast(str, self.tokenizer.decode([token_id]))
 
-    def _chat_logprobs(self, entries: list[_Logprob]) -> ChatLogprobs:
+    def _chat_logprobs(self, entries: Sequence[Logprob]) -> ChatLogprobs:
         content = []
         for tok, lp, top in entries:
             s = self._token_text(tok)
@@ -376,7 +240,9 @@ class OpenAIServing:
             )
         return ChatLogprobs(content=content)
 
-    def _completion_logprobs(self, entries: list[_Logprob], offset: int) -> CompletionLogprobs:
+    def _completion_logprobs(
+        self, entries: Sequence[Logprob], offset: int = 0
+    ) -> CompletionLogprobs:
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for tok, lp, top in entries:
             s = self._token_text(tok)
@@ -387,176 +253,10 @@ class OpenAIServing:
             offset += len(s)
         return out
 
-    @staticmethod
-    def _usage(choices: Sequence[_Choice], prompt_lens: Sequence[int]) -> Usage:
-        prompt = sum(prompt_lens)
-        completion = sum(len(c.token_ids) for c in choices)
-        return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-        )
 
-    # -- endpoints -------------------------------------------------------------------------------
-
-    async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
-        self._check_model(req.model)
-        given = req.prompts()
-        prompts = (
-            [[self.document_start_id()]] if given is None else [self._encode(p) for p in given]
-        )
-        k, n = req.logprobs, req.num_choices
-        jobs: list[_Job] = []
-        for p_idx, ids in enumerate(prompts):
-            max_tokens = self._max_tokens(len(ids), req.max_tokens, "prompt", "max_tokens")
-            for j in range(n):
-                jobs.append((p_idx * n + j, ids, self._sampling(req, max_tokens, j, k)))
-        prompt_lens = [len(p) for p in prompts]
-        rid, created = f"cmpl-{uuid.uuid4().hex}", _now()
-        choices = [_Choice(i, len(ids)) for i, ids, _ in jobs]
-        if req.stream:
-            return self._completion_stream(req, jobs, choices, prompt_lens, rid, created)
-        await self._collect(jobs, choices)
-        return Completion(
-            id=rid,
-            created=created,
-            model=self.model_name,
-            choices=[
-                CompletionChoice(
-                    index=c.index,
-                    text=c.text,
-                    logprobs=self._completion_logprobs(c.logprobs, 0) if k is not None else None,
-                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                )
-                for c in choices
-            ],
-            usage=self._usage(choices, prompt_lens),
-        ).model_dump()
-
-    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
-        self._check_model(req.model)
-        try:
-            ids = chat_ids(
-                self.tokenizer, req.conversation(), self.limits.special_tokens_in_messages
-            )
-        except RequestRejected as e:
-            raise APIError(400, str(e), e.param) from None
-        except Exception as e:  # noqa: BLE001 - a template may reject a conversation shape
-            raise APIError(
-                400, f"this model's chat template refused the messages: {e}", "messages"
-            ) from None
-        requested, field_name = req.requested_max_tokens()
-        max_tokens = self._max_tokens(len(ids), requested, "messages", field_name)
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        n = req.num_choices
-        jobs: list[_Job] = [(j, ids, self._sampling(req, max_tokens, j, k)) for j in range(n)]
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", _now()
-        choices = [_Choice(j, len(ids)) for j in range(n)]
-        if req.stream:
-            return self._chat_stream(req, jobs, choices, [len(ids)], rid, created)
-        await self._collect(jobs, choices)
-        return ChatCompletion(
-            id=rid,
-            created=created,
-            model=self.model_name,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=AssistantMessage(content=c.text),
-                    logprobs=self._chat_logprobs(c.logprobs) if k is not None else None,
-                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                )
-                for c in choices
-            ],
-            usage=self._usage(choices, [len(ids)]),
-        ).model_dump()
-
-    async def _collect(self, jobs: Sequence[_Job], choices: list[_Choice]) -> None:
-        async for d in self._merged(jobs):
-            c = choices[d.index]
-            c.text += d.text
-            c.logprobs.extend(d.logprobs)
-            c.token_ids.extend(d.token_ids)
-            if d.finish_reason is not None:
-                c.finish_reason = d.finish_reason
-
-    async def _completion_stream(
-        self,
-        req: CompletionRequest,
-        jobs: Sequence[_Job],
-        choices: list[_Choice],
-        prompt_lens: list[int],
-        rid: str,
-        created: int,
-    ) -> AsyncIterator[str]:
-        k = req.logprobs
-        offsets = [0] * len(choices)
-        async for d in self._merged(jobs):
-            c = choices[d.index]
-            c.token_ids.extend(d.token_ids)
-            if not d.text and d.finish_reason is None:
-                continue
-            lp = None
-            if k is not None:
-                lp = self._completion_logprobs(d.logprobs, offsets[d.index])
-                offsets[d.index] += len(d.text)
-            choice = CompletionChoice(
-                index=d.index,
-                text=d.text,
-                logprobs=lp,
-                finish_reason=d.finish_reason,  # type: ignore[arg-type]
-            )
-            yield _sse(Completion(id=rid, created=created, model=self.model_name, choices=[choice]))
-        if req.include_usage:
-            usage = self._usage(choices, prompt_lens)
-            yield _sse(
-                Completion(id=rid, created=created, model=self.model_name, choices=[], usage=usage)
-            )
-        yield "data: [DONE]\n\n"
-
-    async def _chat_stream(
-        self,
-        req: ChatCompletionRequest,
-        jobs: Sequence[_Job],
-        choices: list[_Choice],
-        prompt_lens: list[int],
-        rid: str,
-        created: int,
-    ) -> AsyncIterator[str]:
-        k = (req.top_logprobs or 0) if req.logprobs else None
-
-        def chunk(*items: ChatChunkChoice, usage: Usage | None = None) -> str:
-            return _sse(
-                ChatCompletionChunk(
-                    id=rid, created=created, model=self.model_name, choices=list(items), usage=usage
-                )
-            )
-
-        for c in choices:
-            first = ChatDelta(role="assistant", content="")
-            yield chunk(
-                ChatChunkChoice(index=c.index, delta=first, logprobs=None, finish_reason=None)
-            )
-        async for d in self._merged(jobs):
-            c = choices[d.index]
-            c.token_ids.extend(d.token_ids)
-            if not d.text and d.finish_reason is None:
-                continue
-            yield chunk(
-                ChatChunkChoice(
-                    index=d.index,
-                    delta=ChatDelta(content=d.text or None),
-                    logprobs=self._chat_logprobs(d.logprobs) if k is not None else None,
-                    finish_reason=d.finish_reason,  # type: ignore[arg-type]
-                )
-            )
-        if req.include_usage:
-            yield chunk(usage=self._usage(choices, prompt_lens))
-        yield "data: [DONE]\n\n"
-
-
-def _sse(event: BaseModel) -> str:
-    """One server-sent event. A chat delta leaves out the fields it does not carry."""
-    body = event.model_dump()
-    for choice in body.get("choices", ()):
-        if "delta" in choice:
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+def _usage(prepared: Prepared, outputs: Sequence[OutputState]) -> Usage:
+    prompt = sum(prepared.prompt_lens)
+    completion = sum(len(out.token_ids) for out in outputs)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )

@@ -7,8 +7,9 @@ from the client, so the server's default applies. Fields kvray cannot honour (pe
 logit_bias, echo, suffix, best_of != n, tools) are refused with a 400 naming the field
 rather than silently ignored.
 
-The response models are what the server sends: `openai.py` builds them, and the published
-OpenAPI document (`openapi.py`) is generated from these same classes.
+The response models are what the server sends: `openai.py` builds them, `api.py` serializes
+them at the HTTP edge, and the published OpenAPI document (`openapi.py`) is generated from
+these same classes.
 """
 
 from __future__ import annotations
@@ -173,6 +174,23 @@ PromptField = Annotated[
     Text | list[Text] | list[Int] | list[list[Int]], BeforeValidator(_prompt_shape)
 ]
 StopField = Annotated[Text | list[Text] | None, BeforeValidator(_stop_shape)]
+
+
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI error body fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
 
 
 def error_body(
@@ -516,9 +534,15 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+    """A chunk's change to the message: it leaves out the fields it does not carry."""
+
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(BaseModel):

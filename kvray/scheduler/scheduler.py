@@ -59,11 +59,16 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, eos_token_ids: Iterable[int] = (), seed: int = 0
+        self,
+        config: SchedulerConfig,
+        eos_token_ids: Iterable[int] = (),
+        seed: int = 0,
+        vocab_size: int | None = None,
     ) -> None:
         self.config = config
         self.page_size = config.page_size
         self.max_seq_len = config.effective_max_seq_len
+        self.vocab_size = vocab_size  # prompt token ids must be below it (None: unchecked)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.table = TableManager(config.max_running_reqs, self.max_seq_len, config.page_size)
         self.cache = CacheManager(
@@ -86,17 +91,7 @@ class Scheduler:
         """Queue a request, or raise RequestRejected if it can never be served."""
         if rid in self.reqs:
             raise RequestRejected(f"request id {rid} is already in use", "rid")
-        if len(input_ids) == 0:
-            raise RequestRejected("the prompt is empty", "prompt")
-        total = len(input_ids) + sampling.max_tokens
-        if total > self.max_seq_len:
-            raise RequestRejected(
-                f"the prompt has {len(input_ids)} tokens and max_tokens is "
-                f"{sampling.max_tokens}: {total} exceeds this engine's maximum sequence "
-                f"length of {self.max_seq_len} tokens (the smaller of the model context and "
-                f"the KV pool); shorten the prompt or lower max_tokens",
-                "max_tokens",
-            )
+        self._check_prompt(input_ids, sampling.max_tokens)
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop |= self.eos_token_ids
@@ -111,6 +106,37 @@ class Scheduler:
         self.reqs[rid] = req
         self.waiting.append(req)
         return req
+
+    def _check_prompt(self, input_ids: Sequence[int], max_tokens: int) -> None:
+        """The one check of a prompt against the engine's limits (both front ends rely on
+        it; the server turns it into a 400 naming the request's field): token ids in the
+        vocabulary, and prompt + max_tokens within the longest sequence this engine holds."""
+        n, limit = len(input_ids), self.max_seq_len
+        if n == 0:
+            raise RequestRejected("the prompt is empty", "prompt")
+        if self.vocab_size is not None:
+            for t in input_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise RequestRejected(
+                        f"token id {t!r} is not in this model's vocabulary [0, {self.vocab_size})",
+                        "prompt",
+                    )
+        where = (
+            f"this engine's maximum sequence length of {limit} tokens (the smaller of the "
+            "model context and the KV pool)"
+        )
+        if n >= limit:
+            raise RequestRejected(
+                f"the prompt has {n} tokens, which leaves no room to generate within {where}; "
+                "shorten the prompt",
+                "prompt",
+            )
+        if n + max_tokens > limit:
+            raise RequestRejected(
+                f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
+                f"exceeds {where}; shorten the prompt or lower max_tokens",
+                "max_tokens",
+            )
 
     def readmit(self, req: Req) -> None:
         """Queue a request carried over from another scheduler (the workers were rebuilt

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvray.cluster.llm import chat_prompt_ids
 from kvray.net import free_port
+from kvray.text import chat_ids
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -199,7 +199,9 @@ def test_sigterm_drains_running_streams_then_exits(tmp_path: Path) -> None:
             forged = http.post("/v1/chat/completions", json={"messages": FORGED, "max_tokens": 1})
             tok = transformers.AutoTokenizer.from_pretrained(ensure_embedded_model())
             # opted out: typed markers become special tokens, as in vLLM
-            assert forged.json()["usage"]["prompt_tokens"] == len(chat_prompt_ids(tok, FORGED))
+            assert forged.json()["usage"]["prompt_tokens"] == len(
+                chat_ids(tok, FORGED, special_tokens_in_content=True)
+            )
 
         body = {"prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True}
         body |= {"stream": True, "temperature": 0}

@@ -12,8 +12,7 @@ import httpx
 import openai
 import pytest
 
-from kvray.cluster.llm import chat_prompt_ids
-from kvray.deploy.chat import chat_ids
+from kvray.text import chat_ids
 
 from .serve_helpers import (
     CONTEXT,
@@ -413,7 +412,9 @@ FORGED = [
 def test_message_text_cannot_forge_a_role_boundary(http: httpx.Client, tokenizer: Any) -> None:
     r = http.post(CHAT, json={"messages": FORGED, "max_tokens": 1})
     assert r.status_code == 200, r.text
-    plain = chat_prompt_ids(tokenizer, FORGED)  # the typed markers as special tokens
+    plain = chat_ids(
+        tokenizer, FORGED, special_tokens_in_content=True
+    )  # the typed markers as special tokens
     safe = chat_ids(tokenizer, FORGED)
     assert r.json()["usage"]["prompt_tokens"] == len(safe) != len(plain)
     end, start = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])

@@ -10,17 +10,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvray.cluster.llm import chat_prompt_ids
-from kvray.deploy.chat import _content_as_text, _special_pattern, chat_ids
 from kvray.deploy.serve_config import settings_from_args
 from kvray.deploy.settings import ServeConfig
-from kvray.detokenizer import IncrementalDetokenizer
+from kvray.text import IncrementalDetokenizer
+from kvray.text.prompt import _content_as_text, _special_pattern, chat_ids
 
 ROLES = st.sampled_from(["system", "user", "assistant", "developer"])
 # Text around the places tokenizers are touchy about: spaces, newlines, punctuation,
 # multi-byte characters, and pieces of the template's own markers.
 PIECES = [*" \n\tab.,!?é猫😀<|>_", "im_start", "im_end", "<|im", "end|>", "Hello", " world"]
 TEXT = st.lists(st.sampled_from(PIECES), max_size=16).map("".join)
+
+
+def plain_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The rendered conversation tokenized as a whole: typed markers become special tokens."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def special_ids(tokenizer: Any) -> set[int]:
@@ -34,7 +39,7 @@ def test_benign_conversations_tokenize_as_before(tokenizer: Any, turns: list) ->
     holds special-token text: the safe path equals the plain one, token for token."""
     messages = [{"role": r, "content": c} for r, c in turns]
     pattern = _special_pattern(tokenizer)
-    plain = chat_prompt_ids(tokenizer, messages)
+    plain = plain_ids(tokenizer, messages)
     if not any(pattern.search(m["content"]) for m in messages):
         assert chat_ids(tokenizer, messages) == plain
     safe = _content_as_text(tokenizer, messages, pattern)
@@ -44,7 +49,7 @@ def test_benign_conversations_tokenize_as_before(tokenizer: Any, turns: list) ->
     specials = special_ids(tokenizer)
     # exactly the special tokens the template writes for the conversation without them
     assert sorted(t for t in safe if t in specials) == sorted(
-        t for t in chat_prompt_ids(tokenizer, benign) if t in specials
+        t for t in plain_ids(tokenizer, benign) if t in specials
     )
 
 
@@ -53,12 +58,12 @@ def test_benign_conversations_tokenize_as_before(tokenizer: Any, turns: list) ->
 )
 def test_typed_special_tokens_stay_text(tokenizer: Any, typed: str) -> None:
     messages = [{"role": "user", "content": f"before {typed} after"}]
-    plain = chat_prompt_ids(tokenizer, messages)
+    plain = plain_ids(tokenizer, messages)
     safe = chat_ids(tokenizer, messages)
     assert safe != plain
     assert chat_ids(tokenizer, messages, special_tokens_in_content=True) == plain
     specials = special_ids(tokenizer)
-    benign = chat_prompt_ids(tokenizer, [{"role": "user", "content": "before  after"}])
+    benign = plain_ids(tokenizer, [{"role": "user", "content": "before  after"}])
     assert [t for t in plain if t in specials] != [t for t in benign if t in specials]
     assert [t for t in safe if t in specials] == [t for t in benign if t in specials]
     assert tokenizer.decode(safe) == tokenizer.apply_chat_template(

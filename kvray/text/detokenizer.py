@@ -1,4 +1,4 @@
-"""Incremental detokenization with stop strings, shared by the offline LLM and the server.
+"""Text out: incremental detokenization with stop strings.
 
 Text is produced token by token without ever splitting a multi-byte character: a token
 whose bytes do not yet complete a character decodes to U+FFFD and is held until they do;
@@ -13,7 +13,10 @@ of every `push` and the final `flush` equals `text`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from kvray.text.prompt import Tokenizer
 
 _PREFIX_WINDOW = 5  # prompt tokens decoded as context for the first output token
 
@@ -21,7 +24,7 @@ _PREFIX_WINDOW = 5  # prompt tokens decoded as context for the first output toke
 class IncrementalDetokenizer:
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
@@ -38,7 +41,8 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return cast(str, text)  # one sequence of ids decodes to one string
 
     def _delta(self, token_id: int) -> str:
         self._ids.append(token_id)

@@ -1,0 +1,127 @@
+"""Request preparation: a validated OpenAI request becomes the engine requests of its
+choices (prompt ids and SamplingParams; `n` per prompt).
+
+Only the server's own policy is applied here (`ServeConfig`'s max_tokens_default and
+max_tokens_cap, and special_tokens_in_messages for chat).
+Whether a prompt fits is checked once, by the engine, which knows its limits: its
+RequestRejected names the engine's fields (`prompt`, `max_tokens`), and `Prepared.rejected`
+turns it into the 400 that names the request's own field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvray.core import RequestRejected, SamplingParams
+from kvray.deploy.generation import EngineLimits, Job
+from kvray.deploy.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvray.deploy.settings import ServeConfig
+from kvray.text import chat_ids, document_start_id, encode
+
+if TYPE_CHECKING:
+    from kvray.text.prompt import Tokenizer
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The engine requests of one API request, with what its response needs."""
+
+    jobs: tuple[Job, ...]
+    prompt_lens: tuple[int, ...]  # one per prompt (n choices share theirs), for usage
+    fields: Mapping[str, str]  # the engine's field name -> the request's
+
+    def rejected(self, e: RequestRejected) -> APIError:
+        """The engine's rejection as a 400 naming the request's field. The engine calls
+        the token budget `max_tokens`; the message says what the client sent."""
+        param = self.fields.get(e.param or "", e.param)
+        message = str(e)
+        if e.param == "max_tokens" and param is not None:
+            message = message.replace("max_tokens", param)
+        return APIError(400, message, param)
+
+
+class Preparer:
+    def __init__(self, tokenizer: Tokenizer, engine: EngineLimits, policy: ServeConfig) -> None:
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.policy = policy
+        self._document_start = document_start_id(tokenizer)
+
+    def document_start(self) -> list[int]:
+        """What a null prompt means: the start of a document (`text.document_start_id`)."""
+        if self._document_start is None:
+            raise APIError(
+                400, "this model has no start-of-document token: send a prompt", "prompt"
+            )
+        return [self._document_start]
+
+    def completion(self, req: CompletionRequest) -> Prepared:
+        given = req.prompts()
+        if given is None:
+            prompts = [self.document_start()]
+        else:
+            prompts = [encode(self.tokenizer, p) if isinstance(p, str) else p for p in given]
+        n, jobs = req.num_choices, list[Job]()
+        for p, ids in enumerate(prompts):
+            max_tokens = self._budget(len(ids), req.max_tokens, "max_tokens")
+            jobs += [
+                Job(p * n + j, ids, _sampling(req, max_tokens, j, req.logprobs)) for j in range(n)
+            ]
+        fields = {"prompt": "prompt", "max_tokens": "max_tokens"}
+        return Prepared(tuple(jobs), tuple(len(p) for p in prompts), fields)
+
+    def chat(self, req: ChatCompletionRequest) -> Prepared:
+        try:
+            ids = chat_ids(
+                self.tokenizer, req.conversation(), self.policy.special_tokens_in_messages
+            )
+        except RequestRejected as e:
+            raise APIError(400, str(e), e.param) from None
+        except Exception as e:  # noqa: BLE001 - a template may reject a conversation shape
+            raise APIError(
+                400, f"this model's chat template refused the messages: {e}", "messages"
+            ) from None
+        requested, field = req.requested_max_tokens()
+        max_tokens = self._budget(len(ids), requested, field)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        jobs = tuple(
+            Job(j, ids, _sampling(req, max_tokens, j, logprobs)) for j in range(req.num_choices)
+        )
+        return Prepared(jobs, (len(ids),), {"prompt": "messages", "max_tokens": field})
+
+    def _budget(self, prompt_len: int, requested: int | None, field: str) -> int:
+        """The max_tokens to ask the engine for: what the request asked (within the
+        server's cap), or, when it set none, the server's default bounded by the rest of
+        the context. At least 1: a prompt that leaves no room is the engine's to reject."""
+        cap, default = self.policy.max_tokens_cap, self.policy.max_tokens_default
+        if requested is None:
+            room = self.engine.max_seq_len - prompt_len
+            return max(1, min(x for x in (room, default, cap) if x is not None))
+        if cap is not None and requested > cap:
+            message = f"{field} is {requested}; this server allows at most {cap} tokens per request"
+            raise APIError(400, message, field)
+        return requested
+
+
+def _sampling(
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    choice: int,
+    logprobs: int | None,
+) -> SamplingParams:
+    # n choices of one seeded request differ from each other, and each is reproducible.
+    seed = None if req.seed is None else (req.seed + choice) % (2**63)
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        max_tokens=max_tokens,
+        stop=tuple(req.stop or ()),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=bool(req.ignore_eos),
+        seed=seed,
+        logprobs=logprobs,
+    )

@@ -1,0 +1,118 @@
+"""OutputState, the one output path of both front ends, fed TokenEvents by hand (no engine):
+the deltas add up to the text, a stop string cuts the text and wins over length, a stop
+token is counted but not shown, and nothing changes once the output has finished."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvray.core import FinishReason, SamplingParams, TokenEvent
+from kvray.models.embedded import ensure_embedded_model
+from kvray.text import OutputDelta, OutputState
+
+PROMPT = "Say something:"
+TEXT = " Hello world, café 猫 and 🎉 done. Bye now"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(str(ensure_embedded_model(progress=False)))
+
+
+def ids_of(tok, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def state(tok, **sampling) -> OutputState:
+    return OutputState(ids_of(tok, PROMPT), SamplingParams(**sampling), tok)
+
+
+def feed(out: OutputState, ids: list[int], last: FinishReason | None) -> list[OutputDelta]:
+    """One event per id; the last one finishes with `last` (None: none finishes)."""
+    n = len(ids)
+    return [
+        out.add(TokenEvent(0, t, finish_reason=last if i == n - 1 else None))
+        for i, t in enumerate(ids)
+    ]
+
+
+def test_deltas_add_up_to_the_text(tok) -> None:
+    ids = ids_of(tok, TEXT)
+    out = state(tok, max_tokens=len(ids))
+    deltas = feed(out, ids, FinishReason.LENGTH)
+    assert "".join(d.text for d in deltas) == out.text == TEXT
+    assert out.token_ids == ids and [t for d in deltas for t in d.token_ids] == ids
+    assert out.finish_reason is FinishReason.LENGTH and out.finished
+    assert [d.finish_reason for d in deltas] == [None] * (len(ids) - 1) + [FinishReason.LENGTH]
+    assert not any(d.stop_string_hit for d in deltas)
+
+
+def test_a_stop_string_ends_the_request_and_cuts_the_text(tok) -> None:
+    ids = ids_of(tok, TEXT)
+    out = state(tok, max_tokens=100, stop=("done",))
+    deltas = feed(out, ids, None)
+    hits = [i for i, d in enumerate(deltas) if d.stop_string_hit]
+    assert len(hits) == 1, "the caller is told once to end the request"
+    k = hits[0]
+    assert "done" in tok.decode(ids[: k + 1]) and "done" not in tok.decode(ids[:k])
+    assert out.token_ids == ids[: k + 1], "tokens after the stop string are not output"
+    assert not out.finished, "the finishing event finishes the output, not the stop string"
+    last = out.add(TokenEvent(0, None, finish_reason=FinishReason.STOP, num_cached_tokens=3))
+    assert out.finish_reason is last.finish_reason is FinishReason.STOP
+    assert out.text == TEXT[: TEXT.index("done")]
+    assert "".join(d.text for d in [*deltas, last]) == out.text
+    assert out.num_cached_tokens == 3
+
+
+@pytest.mark.parametrize("finish", [FinishReason.LENGTH, FinishReason.STOP])
+def test_a_stop_string_wins_over_the_finish_that_came_with_it(tok, finish) -> None:
+    """The token that completes the stop string is the last one allowed (length) or an
+    EOS-like stop: either way the text is cut and the reason is `stop`."""
+    ids = ids_of(tok, TEXT)
+    k = next(i for i in range(len(ids)) if "world" in tok.decode(ids[: i + 1]))
+    out = state(tok, max_tokens=k + 1, stop=("world",))
+    deltas = feed(out, ids[: k + 1], finish)
+    assert out.finish_reason is deltas[-1].finish_reason is FinishReason.STOP
+    assert not any(d.stop_string_hit for d in deltas), "already finished: nothing to end"
+    assert out.text == " Hello " == "".join(d.text for d in deltas)
+
+
+def test_text_held_back_as_a_possible_stop_string_is_released_at_the_end(tok) -> None:
+    ids = ids_of(tok, " Hello wor")
+    out = state(tok, max_tokens=len(ids), stop=("world",))
+    deltas = feed(out, ids, FinishReason.LENGTH)
+    assert "wor" not in "".join(d.text for d in deltas[:-1])
+    assert "".join(d.text for d in deltas) == out.text == " Hello wor"
+    assert out.finish_reason is FinishReason.LENGTH
+
+
+def test_a_stop_token_is_counted_but_its_text_is_not_shown(tok) -> None:
+    ids = ids_of(tok, " Hello world")
+    out = state(tok, max_tokens=100, stop_token_ids=(ids[-1],))
+    deltas = feed(out, ids, FinishReason.STOP)
+    assert out.token_ids == ids and out.finish_reason is FinishReason.STOP
+    assert out.text == tok.decode(ids[:-1]) == "".join(d.text for d in deltas)
+
+
+def test_events_after_the_finish_are_ignored(tok) -> None:
+    ids = ids_of(tok, " Hello world")
+    out = state(tok, max_tokens=len(ids), logprobs=0)
+    out.add(TokenEvent(0, ids[0], logprob=-0.5, finish_reason=FinishReason.LENGTH))
+    before = (out.text, list(out.token_ids), list(out.logprobs), out.finish_reason)
+    for ev in [
+        TokenEvent(0, ids[1], logprob=-1.0),
+        TokenEvent(0, None, finish_reason=FinishReason.ABORT),
+    ]:
+        assert out.add(ev) == OutputDelta()
+    assert (out.text, out.token_ids, out.logprobs, out.finish_reason) == before
+    assert out.logprobs == [(ids[0], -0.5, None)]
+
+
+def test_without_a_tokenizer_only_token_ids(tok) -> None:
+    out = OutputState([1, 2], SamplingParams(max_tokens=2), None)
+    deltas = feed(out, [5, 6], FinishReason.LENGTH)
+    assert out.token_ids == [5, 6] and out.text == "" and not any(d.text for d in deltas)
+    assert out.finish_reason is FinishReason.LENGTH and deltas[-1].shows_something
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        OutputState([1], SamplingParams(stop=("x",)), None)
