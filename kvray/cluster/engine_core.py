@@ -39,7 +39,7 @@ class EngineCore:
         spec: EngineSpec,
         executor: Executor,
         max_inflight: int = 1,
-        recovery_timeout_s: float = 60.0,
+        recovery_timeout_s: float = 120.0,  # as long as the first build may take
     ) -> None:
         self.spec = spec
         self.executor = executor
