@@ -30,7 +30,7 @@ run: $(STAMP)
 	$(VENV)/bin/kvray generate --prompt "$(PROMPT)"
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 
 lint: $(STAMP)
