@@ -59,8 +59,8 @@ class EngineDeployment:
     ) -> AsyncIterator[tuple[str, int] | list[TokenEvent]]:
         """First yields (scheduler actor name, request id), then batches of events up to
         the finishing one. The request's only abort on the way: this stream ends before
-        its finishing event (the ingress cancelled it, `EngineStream.cancel`), and the
-        request's pages are freed at once."""
+        its finishing event (`EngineStream.cancel` aborts it at the scheduler first; this
+        covers an ingress that went away), and the request's pages are freed at once."""
         try:
             rid = await self.actor.submit.remote(input_ids, sampling)
         except Exception as e:
@@ -113,7 +113,12 @@ class _ServeStream:
         self._actor.abort.remote(self._rid, "stop")
 
     def cancel(self) -> None:
-        self._gen.cancel()  # EngineDeployment.generate then aborts the request
+        # Abort at the request's scheduler directly (fire and forget, never blocks) and
+        # close the deployment's stream. Serve does not always carry a cancel into the
+        # replica's generator in time, so its own `finally` abort is only the backstop for
+        # an ingress that died; a scheduler ignores an abort of a finished request.
+        self._actor.abort.remote(self._rid, "abort")
+        self._gen.cancel()
 
 
 class ServeEngineClient:
