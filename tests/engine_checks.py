@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from kvray.cluster.llm import LLM
+from kvray.cluster.llm import LLM, CompletionOutput
 from kvray.core import SamplingParams
 
 # -- engines and their invariants ---------------------------------------------------------
@@ -95,3 +95,16 @@ def _tiny_prompts() -> list[list[int]]:
 
 TINY_PROMPTS = _tiny_prompts()
 TINY_MAX_TOKENS = [10, 7, 12, 9, 11, 8]  # they finish at different steps
+
+
+def tiny_batched_then_one_by_one(
+    llm: LLM, refs: list[list[int]], what: str
+) -> tuple[list[CompletionOutput], list[CompletionOutput]]:
+    """TINY_PROMPTS greedy for TINY_MAX_TOKENS, all at once and then one at a time: both must
+    equal `refs` (HF's tokens). Returns both runs' outputs."""
+    params = [greedy(m) for m in TINY_MAX_TOKENS]
+    batched = llm.generate(TINY_PROMPTS, params)
+    assert_same_tokens([o.token_ids for o in batched], refs, f"{what}, batched vs HF")
+    one_by_one = [llm.generate(p, sp)[0] for p, sp in zip(TINY_PROMPTS, params, strict=True)]
+    assert_same_tokens([o.token_ids for o in one_by_one], refs, f"{what}, one at a time vs HF")
+    return batched, one_by_one

@@ -29,6 +29,7 @@ from engine_checks import (
     greedy,
     hf_greedy,
     new_llm,
+    tiny_batched_then_one_by_one,
 )
 from transformers import AutoModelForCausalLM
 
@@ -156,12 +157,8 @@ def test_tiny_greedy_matches_hf(tiny, variant: str, page_size: int, cache: str) 
         max_prefill_tokens=8,
         num_pages=1024 // page_size,
     )
-    params = [greedy(m) for m in TINY_MAX_TOKENS]
-    batched = llm.generate(TINY_PROMPTS, params)
-    assert_same_tokens([o.token_ids for o in batched], refs, "batched vs HF")
+    batched, one_by_one = tiny_batched_then_one_by_one(llm, refs, variant)
     assert all(o.finish_reason == "length" for o in batched)
-    one_by_one = [llm.generate(p, sp)[0] for p, sp in zip(TINY_PROMPTS, params, strict=True)]
-    assert_same_tokens([o.token_ids for o in one_by_one], refs, "one at a time vs HF")
 
     stats = llm.engine.scheduler.stats
     if cache == "radix":  # the second pass found the first pass's prompts cached

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_checks import HEAD_DIM, MIXED, Pool, run_step
-from engine_checks import TINY_MAX_TOKENS, TINY_PROMPTS, assert_same_tokens, greedy, new_llm
+from engine_checks import new_llm, tiny_batched_then_one_by_one
 
 from kvray.attention import create_attention_backend, resolve_backend_name, triton_ops
 from kvray.attention.triton_backend import TritonAttentionBackend, decode_splits
@@ -137,8 +137,4 @@ def test_engine_greedy_matches_hf(tiny, variant: str, page_size: int, cache: str
         attention_backend="triton",
     )
     assert type(llm.engine.worker.attn) is TritonAttentionBackend
-    params = [greedy(m) for m in TINY_MAX_TOKENS]
-    batched = llm.generate(TINY_PROMPTS, params)
-    assert_same_tokens([o.token_ids for o in batched], refs, "triton, batched vs HF")
-    one_by_one = [llm.generate(p, sp)[0] for p, sp in zip(TINY_PROMPTS, params, strict=True)]
-    assert_same_tokens([o.token_ids for o in one_by_one], refs, "triton, one at a time vs HF")
+    tiny_batched_then_one_by_one(llm, refs, "triton")
