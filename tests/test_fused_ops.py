@@ -241,3 +241,66 @@ def test_model_logits_same_on_kernel_and_fallback(monkeypatch, arch: str, dtype)
     monkeypatch.setattr(fused, "_mod", lambda: None)
     for got, want in zip(kernel, _prefill_then_decode(model), strict=True):
         assert_same(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [49152, 1000, 17, 16, 3, 1])
+def test_argmax_rows(path: str, dtype: torch.dtype, vocab: int) -> None:
+    """torch.argmax's answer row for row: ties to the lowest id (also +0 against -0), the
+    first NaN wins, all -inf gives 0, a maximum in the scalar tail is found."""
+    x = _randn(130, vocab, dtype=dtype, seed=7, scale=4.0)
+    x[1] = x[1].max()  # every id ties
+    x[2] = float("-inf")
+    x[3, vocab // 2] = float("nan")
+    x[4, [vocab - 1, vocab // 3]] = float("nan")
+    x[5] = -0.0
+    x[5, vocab - 1] = 0.0
+    x[6, vocab - 1] = 1e30
+    x[7, :] = x[7].min()
+    x[7, [vocab // 2, vocab - 1]] = 2.0
+    rows = x[::2]  # a strided view of rows (contiguous within each row)
+    for t in (x, rows):
+        assert torch.equal(fused.argmax_rows(t), t.argmax(dim=-1))
+
+
+_STEPS_SCRIPT = """
+import resource, sys, torch
+if sys.argv[1] == "tuned":
+    from kvray.workers.host_memory import keep_large_allocations
+    assert keep_large_allocations()
+def step(i):  # activations of an engine step: several MB each, a few alive at once
+    live = []
+    for mb in (6, 25, 12, 25, 3, 18):
+        live.append(torch.empty((mb + i % 3) << 18, dtype=torch.float32).fill_(1.0))
+        if len(live) > 2:
+            live.pop(0)
+for i in range(3):
+    step(i)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for i in range(20):
+    step(i)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_host_allocator_keeps_step_memory_mapped() -> None:
+    """A worker's tuned malloc serves repeated steps' large activations from memory it
+    already has, where glibc's defaults map and fault them in again (checked in fresh
+    processes, since the tuning is process-wide)."""
+    import subprocess
+    import sys
+
+    from kvray.workers import host_memory
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("tunes glibc malloc only")
+
+    def faults(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _STEPS_SCRIPT, mode], capture_output=True, text=True, check=True
+        )
+        return int(out.stdout.strip())
+
+    default, tuned = faults("default"), faults("tuned")
+    assert host_memory.keep_large_allocations()
+    assert tuned * 10 < default, (tuned, default)

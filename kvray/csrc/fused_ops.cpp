@@ -354,6 +354,52 @@ void rotary_impl(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor
   });
 }
 
+// ---- greedy argmax over rows ----------------------------------------------------------------
+
+// out[r] = torch.argmax(x[r]): the first index of the row's largest value, or of its first
+// NaN (argmax ranks NaN above everything). One pass for the maximum, one to find it.
+template <typename T>
+void argmax_rows_impl(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), V = x.size(1), sx = x.stride(0);
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(V), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* p = xp + r * sx;
+      const int64_t full = V / 16 * 16;
+      const __mmask16 tm = tail_mask(V - full);
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      __mmask16 nan = 0;
+      for (int64_t j = 0; j < full; j += 16) {
+        const __m512 v = load16(p + j);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, v);
+      }
+      if (tm) {
+        const __m512 v = load16(p + full, tm);
+        nan |= _mm512_mask_cmp_ps_mask(tm, v, v, _CMP_UNORD_Q);
+        mx = _mm512_mask_max_ps(mx, tm, mx, v);
+      }
+      int64_t idx = 0;
+      if (nan) {
+        while (!std::isnan(to_float(p[idx]))) ++idx;
+      } else {
+        const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        int64_t j = 0;
+        for (; j < full; j += 16) {
+          const __mmask16 hit = _mm512_cmp_ps_mask(load16(p + j), best, _CMP_EQ_OQ);
+          if (hit) break;
+        }
+        const __mmask16 hit =
+            j < full ? _mm512_cmp_ps_mask(load16(p + j), best, _CMP_EQ_OQ)
+                     : _mm512_mask_cmp_ps_mask(tm, load16(p + j, tm), best, _CMP_EQ_OQ);
+        idx = j + __builtin_ctz(hit);
+      }
+      op[r] = idx;
+    }
+  });
+}
+
 // ---- entry points: each returns nothing (None in Python) for inputs it does not serve,
 // and the caller then runs the torch expression -----------------------------------------
 
@@ -426,7 +472,16 @@ std::optional<torch::Tensor> rotary_(torch::Tensor x, torch::Tensor cos, torch::
   return x;
 }
 
+std::optional<torch::Tensor> argmax_rows(torch::Tensor x) {
+  if (!servable({&x}) || x.dim() != 2 || x.size(1) == 0) return std::nullopt;
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  if (is_bf16(x)) argmax_rows_impl<bf16>(x, out);
+  else argmax_rows_impl<float>(x, out);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_mul", &silu_mul);

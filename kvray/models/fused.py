@@ -108,6 +108,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_reference(gate_up)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` for x [S, V]: int64 [S], the first index of each row's maximum
+    (of its first NaN, if any). The kernel reads bf16 rows as they are, without a float32
+    copy, at several times ATen's speed."""
+    if x.is_cpu and (mod := _mod()) is not None:
+        out = mod.argmax_rows(x)
+        if out is not None:
+            return out
+    return x.argmax(dim=-1)
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`rotary_reference(x, cos, sin)` for x [T, H, D], cos/sin [T, D].
 

@@ -184,8 +184,9 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] (flat batch). Returns float32 logits [S, vocab_size]
-        for the rows `logits_indices` only. `attn` must be prepared for this batch."""
+        """input_ids, positions: [T] (flat batch). Returns logits [S, vocab_size] in the
+        model's dtype (the sampler upcasts what it needs) for the rows `logits_indices`
+        only. `attn` must be prepared for this batch."""
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         h, residual = self.model.embed_tokens(input_ids), None  # see LlamaDecoderLayer
         for layer in self.model.layers:
@@ -196,4 +197,4 @@ class LlamaForCausalLM(nn.Module):
             h = self.model.norm(h)
         else:
             h, _ = self.model.norm.add_and_norm(h, residual[logits_indices])
-        return self.lm_head.logits(h).float()
+        return self.lm_head.logits(h)

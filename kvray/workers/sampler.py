@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvray.core import SamplingParams
+from kvray.models import fused
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
 MIN_TEMPERATURE = 1e-5
@@ -113,11 +114,14 @@ def sample_device(
             f"{num_rows} logits rows but {len(params)} params, {len(seeds)} seeds, "
             f"{len(positions)} positions"
         )
-    logits = logits.float()
-    token_ids = logits.argmax(dim=-1)  # greedy; argmax returns the first (lowest) max id
+    # Greedy: the first (lowest) id of each row's maximum. Read in the logits' own dtype:
+    # upcasting is exact, so it cannot change the winner, and the copy is skipped when no
+    # row needs float32 below (all greedy, no logprobs).
+    token_ids = fused.argmax_rows(logits)
 
     random_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
     if random_rows:  # the all-greedy fast path skips everything below
+        logits = logits.float()
         if len(random_rows) == num_rows:
             token_ids = _sample_random(logits, params, seeds, positions)
         else:
@@ -132,6 +136,7 @@ def sample_device(
     k = min(max_top_logprobs, vocab)
     if not with_logprobs and k <= 0:
         return DeviceSample(token_ids)
+    logits = logits.float()
     # log p(token) = logit - logsumexp(logits): one reduction, no [S, V] log-softmax copy.
     log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen = (logits.gather(1, token_ids[:, None]) - log_z).squeeze(1)

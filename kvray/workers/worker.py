@@ -20,6 +20,7 @@ from kvray.config import EngineConfig
 from kvray.core import StepPlan, StepResult, table_width
 from kvray.kvcache import MHAKVCache, create_kvcache_pool
 from kvray.models import TPGroup, load_model
+from kvray.workers.host_memory import keep_large_allocations
 from kvray.workers.mirror import PlanMirror
 from kvray.workers.sampler import sample_device
 
@@ -47,6 +48,8 @@ class ModelWorker:
         self.spec = spec
         self.tp = tp
         self.device = torch.device(spec.device)
+        if self.device.type == "cpu":
+            keep_large_allocations()
         self.model = load_model(Path(spec.model_path), tp, spec.torch_dtype, self.device)
         cfg = self.model.config
         self.kvcache: MHAKVCache = create_kvcache_pool(
