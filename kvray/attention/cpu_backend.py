@@ -45,4 +45,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )
 
     def attend_decodes(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, d: Decodes) -> Tensor:
-        return cpu_decode.paged_decode(q[d.tokens], k_pool, v_pool, d.slots, d.seq_lens, self.scale)
+        return cpu_decode.paged_decode(
+            d.queries(q), k_pool, v_pool, d.slots, d.seq_lens, self.scale
+        )

@@ -11,7 +11,7 @@ mask when a prefix or an earlier chunk is already cached.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,13 @@ class Decodes:
     slots: Tensor  # int64 [Bd, max_k]: KV slots of each request's keys (padded past its length)
     seq_lens: Tensor  # int64 [Bd]: keys per request
     mask: Tensor | None = None  # bool [Bd, 1, 1, max_k]: key < seq_len (the SDPA path's)
+    # Every row of q is a decode, in order (tokens == arange): q is their queries as it is,
+    # and their output is the step's whole output (no gather, no scatter).
+    whole_batch: bool = False
+
+    def queries(self, q: Tensor) -> Tensor:
+        """[Bd, Hq, D]: each decode's query row."""
+        return q if self.whole_batch else q[self.tokens]
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,10 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttnMetadata) -> None:
         super().prepare(meta)
         decodes, extends = meta.decodes_and_extends()
-        self._decodes = self.prepare_decodes(meta, decodes) if decodes.numel() else None
+        self._decodes = None
+        if decodes.numel():
+            d = self.prepare_decodes(meta, decodes)
+            self._decodes = replace(d, whole_batch=extends.numel() == 0)
         self._extends = []
         if extends.numel() > 0:
             starts = meta.cu_seqlens_q[extends].tolist()
@@ -79,7 +89,7 @@ class TorchAttentionBackend(AttentionBackend):
     def attend_decodes(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, d: Decodes) -> Tensor:
         """[Bd, Hq, D]: each decode's query over its keys."""
         o = F.scaled_dot_product_attention(
-            q[d.tokens].unsqueeze(2),  # [Bd, Hq, 1, D]
+            d.queries(q).unsqueeze(2),  # [Bd, Hq, 1, D]
             k_pool[d.slots].to(q.dtype).transpose(1, 2),  # [Bd, Hkv, max_k, D]
             v_pool[d.slots].to(q.dtype).transpose(1, 2),
             attn_mask=d.mask,
@@ -91,6 +101,8 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, layer_id: int, meta: AttnMetadata) -> Tensor:
         k_pool, v_pool = self.kvcache.k_flat(layer_id), self.kvcache.v_flat(layer_id)
         gqa = self.num_q_heads != self.kvcache.local_kv_heads
+        if self._decodes is not None and self._decodes.whole_batch:
+            return self.attend_decodes(q, k_pool, v_pool, self._decodes).flatten(1)
         out = q.new_empty(q.shape)
         if self._decodes is not None:
             out[self._decodes.tokens] = self.attend_decodes(q, k_pool, v_pool, self._decodes)

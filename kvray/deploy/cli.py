@@ -95,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-_BENCHES = ("offline", "prefix", "serve", "scheduler", "dispatch", "soak")
+_BENCHES = ("offline", "prefix", "serve", "overhead", "scheduler", "dispatch", "soak")
 
 
 def _bench(args: argparse.Namespace) -> int:

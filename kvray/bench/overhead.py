@@ -1,0 +1,214 @@
+"""`kvray bench overhead`: what the serving path adds to one request's TTFT and ITL.
+
+    kvray bench overhead [--requests 12] [--prompt-len 32] [--output-len 64]
+                         [--dtype bfloat16] [--url URL] [--json PATH]
+
+The same short requests (random token-id prompts, greedy, EOS ignored), one at a time,
+through two paths:
+
+- in process: the engine core with its worker in this process (`LocalEngine`, what
+  `kvray.LLM` runs), stepped directly; TTFT = `add_request` to the first token event,
+  ITL = the gaps between token events;
+- served: streamed completions over HTTP from `kvray serve` (Ray Serve proxy, ingress,
+  engine deployment, scheduler actor, worker actor), started here on a free port with the
+  same model and dtype (or the server at `--url`); TTFT = request sent to the first chunk
+  with text, ITL = the gaps between such chunks (the bench checks each carries one token).
+
+It prints each path's p50 / p99 and the difference of the p50s: the overhead of the serving
+path. One request at a time, so the figures are latency, not throughput. Run it on a quiet
+machine: on two cores, any other busy process shows up in both paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from kvray.bench.report import machine_info, print_table, write_json
+
+
+def _workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab - 100, prompt_len).tolist() for _ in range(n)]
+
+
+def in_process(
+    model: str | None, dtype: str, prompts: list[list[int]], output_len: int
+) -> dict[str, list[float]]:
+    """TTFT and ITL samples of each prompt run alone through the in-process engine."""
+    from kvray import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, skip_tokenizer_init=True)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    ttft: list[float] = []
+    itl: list[float] = []
+    for i, prompt in enumerate([prompts[0], *prompts]):  # the first run warms up
+        t0 = time.perf_counter()
+        rid = engine.add_request(prompt, sp)
+        times: list[float] = []
+        while engine.has_work:
+            for ev in engine.step():
+                if ev.rid == rid and ev.token_id is not None:
+                    times.append(time.perf_counter())
+        if len(times) != output_len:
+            raise RuntimeError(f"in-process run produced {len(times)} of {output_len} tokens")
+        if i > 0:
+            ttft.append(times[0] - t0)
+            itl.extend(np.diff(times).tolist())
+    engine.check_integrity()
+    return {"ttft_s": ttft, "itl_s": itl}
+
+
+async def _served_async(
+    url: str, prompts: list[list[int]], output_len: int, api_key: str | None
+) -> dict[str, list[float]]:
+    import httpx
+
+    from kvray.bench.serve import _fetch_model, send_one
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    ttft: list[float] = []
+    itl: list[float] = []
+    async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
+        model = await _fetch_model(client, url, headers)
+        for i, prompt in enumerate([prompts[0], *prompts]):
+            res = await send_one(client, url, headers, model, i, prompt, output_len, 300.0)
+            if not res.ok or res.ttft_s is None:
+                raise RuntimeError(f"served request failed: {res.error}")
+            if res.chunks != res.output_tokens:
+                raise RuntimeError(
+                    f"{res.output_tokens} tokens came in {res.chunks} chunks: the stream "
+                    "batched tokens, so chunk gaps are not inter-token latencies"
+                )
+            if i > 0:
+                ttft.append(res.ttft_s)
+                itl.extend(res.itl_s)
+    return {"ttft_s": ttft, "itl_s": itl}
+
+
+def _launch(model: str | None, dtype: str, port: int) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "kvray.deploy.cli", "serve", "--port", str(port)]
+    cmd += ["--dtype", dtype] + (["--model", model] if model else [])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[str] | None, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"kvray serve exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/models", timeout=2.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"no server at {url} within {timeout_s:g} s")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def served(
+    args: argparse.Namespace, prompts: list[list[int]], output_len: int
+) -> dict[str, list[float]]:
+    from kvray.net import free_port
+
+    proc = None
+    url = args.url
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}/v1"
+        print(f"starting kvray serve on port {port} ...", flush=True)
+        proc = _launch(args.model, args.dtype, port)
+    try:
+        _wait_ready(url, proc, args.start_timeout)
+        return asyncio.run(_served_async(url, prompts, output_len, args.api_key))
+    finally:
+        if proc is not None:
+            _stop(proc)
+
+
+def _p(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1e3
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--url", default=None, help="a running kvray serve (default: start one)")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.output_len < 2:
+        ap.error("--output-len must be at least 2 (ITL needs two tokens)")
+
+    from kvray.cluster.spec import EngineSpec
+    from kvray.config import EngineConfig
+
+    vocab = EngineSpec.resolve(EngineConfig(model=args.model)).vocab_size
+    prompts = _workload(args.requests, args.prompt_len, vocab, args.seed)
+    local = in_process(args.model, args.dtype, prompts, args.output_len)
+    remote = served(args, prompts, args.output_len)
+
+    rows = []
+    for name, r in (("in process", local), ("served (HTTP)", remote)):
+        rows.append(
+            [name, _p(r["ttft_s"], 50), _p(r["ttft_s"], 99), _p(r["itl_s"], 50), _p(r["itl_s"], 99)]
+        )
+    added = [a - b for a, b in zip(rows[1][1:], rows[0][1:], strict=True)]
+    rows.append(["added by serving", *added])
+    print_table(
+        f"one request at a time: {args.prompt_len}-token prompt, {args.output_len} tokens, "
+        f"{args.requests} requests",
+        ["path", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"],
+        rows,
+    )
+    summary = {
+        "inprocess_ttft_p50_ms": rows[0][1],
+        "inprocess_itl_p50_ms": rows[0][3],
+        "served_ttft_p50_ms": rows[1][1],
+        "served_itl_p50_ms": rows[1][3],
+        "added_ttft_p50_ms": added[0],
+        "added_itl_p50_ms": added[2],
+    }
+    write_json(args.json, summary, config=vars(args), machine=machine_info())
+    return {"summary": summary}
+
+
+if __name__ == "__main__":
+    main()
