@@ -251,6 +251,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
+    if "vllm" in args.baseline:  # say so now, not after the kvray run
+        from kvray.bench import vllm_baseline
+
+        try:
+            vllm_baseline.find_python(args.vllm_python)
+        except vllm_baseline.VllmUnavailable as e:
+            ap.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(

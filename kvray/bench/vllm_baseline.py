@@ -38,6 +38,7 @@ class VllmSettings:
     kv_cache_space_gb: float = 4.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
+    enforce_eager: bool = False  # skip torch.compile (faster start, slower steps): tests
 
 
 def find_python(explicit: str | None = None) -> Path:
@@ -122,6 +123,7 @@ def run_offline(
         "output_lens": output_lens,
         "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "enforce_eager": settings.enforce_eager,
     }
     env = runner_env(interpreter, settings)
     with tempfile.TemporaryDirectory(prefix="kvray-vllm-") as tmp:

@@ -33,6 +33,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "max_num_seqs": spec["max_num_seqs"],
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
         "disable_log_stats": True,
+        "enforce_eager": bool(spec.get("enforce_eager", False)),
     }
     llm = LLM(**engine_args)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
