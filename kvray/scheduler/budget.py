@@ -1,0 +1,131 @@
+"""PrefillBudget: how many prompt tokens one step may compute, under an inter-token-latency
+target, and the step-cost model it is computed from.
+
+Every request decoding in a step waits for the whole step before its next token, so a
+long prefill chunk in the same step is a long gap in every running stream. With
+`itl_target_ms` set, a step that has decodes takes as many prompt tokens as the cost
+model says fit in the target; at least `min_chunk` (so a prompt always advances, even
+when the decodes alone overrun the target), at most `max_prefill_tokens`, in whole pages.
+A step without decodes delays nobody's next token and keeps the full `max_prefill_tokens`.
+
+The cost model is linear in what a step computes, learned online from the step times
+the worker measures (`StepResult.compute_s`):
+
+    step_ms ~= fixed + per_decode * num_decodes + per_prefill_token * prefill_tokens
+
+It is fitted by recursive least squares with drift, i.e. a Kalman filter on the three
+coefficients: each step moves them by its error, weighted by how uncertain they still
+are in the direction that step measured. So a coefficient no recent step has informed
+(per_prefill_token during a long run of pure decodes) keeps its last value instead of
+decaying back to the prior, while drift (the machine's load changes, contexts grow)
+keeps every coefficient adaptable. An error beyond 3 sigma is clipped: one freak step (a
+GC pause, first-time kernel setup) moves the fit a little, not all the way; a run of them
+(a prior far off, a machine that got slower) loosens the fit until it has caught up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvray.config import SchedulerConfig
+from kvray.core import div_ceil
+
+# Where the fit starts (fixed ms, ms per decode, ms per prefill token): roughly a small
+# model on a few CPU cores. Wrong by 10x is fine: the first few steps fix it, and each prior
+# is only "about this large" (a standard deviation of 100% of its value).
+PRIOR_MS = (10.0, 0.5, 0.5)
+MIN_CHUNK_TOKENS = 32  # a prompt's progress per step under the target (rounded up to pages)
+
+_FLOOR_MS = np.array([0.0, 0.0, 1e-5])  # no coefficient is negative; a token costs something
+_REL_NOISE = 0.1  # a step's time scatters ~10% around the model's prediction...
+_ABS_NOISE_MS = 0.5  # ...plus timer and scheduling jitter
+_DRIFT = 0.02  # each coefficient may drift ~2% of its value per step
+_CLIP_SIGMAS = 3.0
+_INFLATE = 2.0
+
+
+class StepCostModel:
+    """step_ms ~= fixed + per_decode * num_decodes + per_prefill_token * prefill_tokens."""
+
+    def __init__(self, prior_ms: tuple[float, float, float] = PRIOR_MS) -> None:
+        self.prior = np.array(prior_ms, dtype=np.float64)
+        self.coef = self.prior.copy()
+        self.cov = np.diag(self.prior**2)
+        self.samples = 0
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """(fixed, per_decode, per_prefill_token), in ms."""
+        fixed, per_decode, per_token = self.coef.tolist()
+        return fixed, per_decode, per_token
+
+    def predict_ms(self, num_decodes: int, prefill_tokens: int) -> float:
+        return float(self.coef @ np.array([1.0, num_decodes, prefill_tokens]))
+
+    def observe(self, num_decodes: int, prefill_tokens: int, seconds: float) -> None:
+        """Learn from one measured step."""
+        x = np.array([1.0, num_decodes, prefill_tokens], dtype=np.float64)
+        # Drift: uncertainty grows a little every step, but never beyond a prior's (so a
+        # coefficient unmeasured for an hour is not then set by one sample alone).
+        scale = np.maximum(self.coef, self.prior)
+        self.cov += np.diag((_DRIFT * scale) ** 2 * (np.diag(self.cov) < scale**2))
+        pred = float(self.coef @ x)
+        noise = (_REL_NOISE * max(pred, 0.0) + _ABS_NOISE_MS) ** 2
+        err = seconds * 1e3 - pred
+        limit = _CLIP_SIGMAS * math.sqrt(float(x @ self.cov @ x) + noise)
+        if abs(err) > limit:
+            # Clip it, and trust the fit less: one freak step moves it only a little, but
+            # a run of them (the fit is far off, or the machine changed) soon moves it fast.
+            err = math.copysign(limit, err)
+            self.cov *= _INFLATE
+        cov_x = self.cov @ x
+        gain = cov_x / (float(x @ cov_x) + noise)
+        self.coef = np.maximum(self.coef + gain * err, _FLOOR_MS)
+        # Joseph's form of the covariance update: stays symmetric positive definite in
+        # floating point although the features span 1 to thousands.
+        keep = np.eye(3) - np.outer(gain, x)
+        self.cov = keep @ self.cov @ keep.T + np.outer(gain, gain) * noise
+        self.samples += 1
+
+    def tokens_within(self, target_ms: float, num_decodes: int) -> float:
+        """Prefill tokens a step with `num_decodes` decodes can add and stay within
+        `target_ms` (0 when the decodes alone take that long)."""
+        fixed, per_decode, per_token = self.coefficients
+        return max(target_ms - fixed - per_decode * num_decodes, 0.0) / per_token
+
+
+class PrefillBudget:
+    """The prefill token budget of each step (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.max_tokens = config.max_prefill_tokens
+        self.target_ms = config.itl_target_ms
+        self.page_size = config.page_size
+        min_pages = div_ceil(MIN_CHUNK_TOKENS, self.page_size)
+        self.min_chunk = min(min_pages * self.page_size, self.max_tokens)
+        self.cost = StepCostModel()
+
+    def tokens(self, num_decodes: int) -> int:
+        """Prompt tokens a step with `num_decodes` decoding requests may compute."""
+        if self.target_ms is None or num_decodes == 0:
+            return self.max_tokens
+        fit = self.cost.tokens_within(self.target_ms, num_decodes)
+        if fit >= self.max_tokens:
+            return self.max_tokens
+        return max(int(fit) // self.page_size * self.page_size, self.min_chunk)
+
+    def observe(self, num_decodes: int, prefill_tokens: int, seconds: float) -> None:
+        self.cost.observe(num_decodes, prefill_tokens, seconds)
+
+    def info(self, num_decodes: int) -> dict[str, float]:
+        """What the budget is now, and the model behind it (for stats and metrics)."""
+        fixed, per_decode, per_token = self.cost.coefficients
+        return {
+            "prefill_budget_tokens": self.tokens(num_decodes),
+            "step_fixed_ms": fixed,
+            "step_per_decode_ms": per_decode,
+            "step_per_prefill_token_ms": per_token,
+            "step_cost_samples": self.cost.samples,
+        }
