@@ -197,8 +197,9 @@ def test_tiny_greedy_under_memory_pressure(tiny, variant, cache, page_size) -> N
     ("variant", "cache", "page_size"), [("llama", "radix", 4), ("qwen3", "naive", 1)]
 )
 def test_tiny_greedy_under_an_itl_target(tiny, tiny_checkpoints, variant, cache, page_size) -> None:
-    """An inter-token-latency target no step can meet: a step with decodes takes only the
-    minimum prefill chunk (32 tokens), one without still takes up to 64. A 150-token prompt
+    """An inter-token-latency target no step can meet (and no overrun share, so the chunk
+    does not depend on measured times): a step with decodes takes only the minimum
+    prefill chunk (32 tokens), one without still takes up to 64. A 150-token prompt
     arriving with a short one is split beside the short one's decodes. Greedy output does
     not change, and the budget's cost model learns from the worker's measured step times."""
     path, refs = tiny[variant]
@@ -212,6 +213,7 @@ def test_tiny_greedy_under_an_itl_target(tiny, tiny_checkpoints, variant, cache,
         itl_target_ms=1e-3,
     )
     engine = llm.engine
+    engine.scheduler.budget.overrun_share = 0.0
     plans = []
     execute = engine.worker.execute
     engine.worker.execute = lambda plan: plans.append(plan) or execute(plan)

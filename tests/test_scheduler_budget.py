@@ -96,6 +96,24 @@ def test_the_fit_follows_a_slower_machine():
     assert_close(model.coefficients, slower, rel=0.1)
 
 
+def test_the_fit_follows_a_machine_that_gets_faster_again():
+    """Steps 30x dearer while another process hogs the cores, then back to normal, with
+    the same shapes throughout (16 decodes, with and without a 32-token chunk). The fit
+    must come back, not run away: lowering two correlated coefficients below zero while
+    raising the third, then clipping only the two, did exactly that."""
+    rng = random.Random(7)
+    model = StepCostModel()
+    feed(model, rng, 300)
+    slow = tuple(30 * c for c in TRUE_MS)
+    for coef, n in ((slow, 60), (TRUE_MS, 30)):
+        for _ in range(n):
+            p = rng.choice((0, 32))
+            model.observe(16, p, true_ms(16, p, coef) * (1 + rng.uniform(-0.05, 0.05)) / 1e3)
+            assert min(model.coefficients) >= 0
+        assert model.predict_ms(16, 32) == pytest.approx(true_ms(16, 32, coef), rel=0.1)
+    assert model.coefficients[2] == pytest.approx(TRUE_MS[2], rel=0.2)
+
+
 def test_a_prior_ten_times_off_is_fixed_within_a_few_steps():
     """A GPU's steps are far cheaper than the CPU-sized prior (and a big model's on a CPU
     far dearer): a handful of steps of each shape settle it."""
@@ -141,13 +159,26 @@ def test_budget_is_capped_at_max_prefill_tokens():
     assert budget_for(1e6, max_prefill=100).tokens(1) == 100  # not rounded down to pages
 
 
+def test_decodes_over_the_target_still_leave_prefill_half_their_time():
+    """The target cannot be met: rather than starve new requests, prefill gets half the
+    decodes' own time (the step takes 1.5x what the decodes alone take)."""
+    budget = budget_for(100.0)
+    # decodes: 10 + 2 * 100 = 210 ms; half of that is 105 ms = 210 tokens -> 208
+    assert budget.tokens(100) == 208
+    assert budget.tokens(200) == 400  # 410 ms of decodes, 205 ms = 410 tokens -> 400
+    budget.overrun_share = 0.0
+    assert budget.tokens(100) == 32
+
+
 def test_budget_always_lets_a_prompt_advance():
-    """Decodes alone over the target: the prompt still gets its minimum chunk, 32 tokens
-    rounded up to whole pages (never more than max_prefill_tokens)."""
-    assert budget_for(100.0).tokens(100) == 32
+    """Whatever the model says, a prompt gets its minimum chunk, 32 tokens rounded up to
+    whole pages (never more than max_prefill_tokens)."""
+    assert budget_for(1e-3).tokens(1) == 32  # 12 ms of decodes: 6 ms = 12 tokens
     assert budget_for(1e-3, ps=1).tokens(1) == 32
     assert budget_for(1e-3, ps=256).tokens(1) == 256
     assert budget_for(1e-3, ps=4, max_prefill=8).tokens(1) == 8
+    budget = budget_for(100.0, coef=(10.0, 2.0, 1e3))  # a token costs a second
+    assert budget.tokens(10) == 32
 
 
 def test_no_target_is_the_old_behaviour():

@@ -4,8 +4,8 @@ target, and the step-cost model it is computed from.
 Every request decoding in a step waits for the whole step before its next token, so a
 long prefill chunk in the same step is a long gap in every running stream. With
 `itl_target_ms` set, a step that has decodes takes as many prompt tokens as the cost
-model says fit in the target; at least `min_chunk` (so a prompt always advances, even
-when the decodes alone overrun the target), at most `max_prefill_tokens`, in whole pages.
+model says fit in the target (or, when the decodes alone overrun it, in half their own
+time); at least `min_chunk`, at most `max_prefill_tokens`, in whole pages.
 A step without decodes delays nobody's next token and keeps the full `max_prefill_tokens`.
 
 The cost model is linear in what a step computes, learned online from the step times
@@ -25,6 +25,7 @@ GC pause, first-time kernel setup) moves the fit a little, not all the way; a ru
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -37,6 +38,11 @@ from kvray.core import div_ceil
 # is only "about this large" (a standard deviation of 100% of its value).
 PRIOR_MS = (10.0, 0.5, 0.5)
 MIN_CHUNK_TOKENS = 32  # a prompt's progress per step under the target (rounded up to pages)
+# When the decodes alone take longer than the target, the target cannot be met, and a
+# minimum chunk alone would starve new requests (a 2,000-token prompt would take 63 such
+# steps): prefill then gets this share of the decodes' own time, so a step takes at most
+# 1.5x what its decodes cost, and prompts advance in proportion to the step time.
+OVERRUN_PREFILL_SHARE = 0.5
 
 _FLOOR_MS = np.array([0.0, 0.0, 1e-5])  # no coefficient is negative; a token costs something
 _REL_NOISE = 0.1  # a step's time scatters ~10% around the model's prediction...
@@ -44,6 +50,7 @@ _ABS_NOISE_MS = 0.5  # ...plus timer and scheduling jitter
 _DRIFT = 0.02  # each coefficient may drift ~2% of its value per step
 _CLIP_SIGMAS = 3.0
 _INFLATE = 2.0
+_MAX_STD = 10.0
 
 
 class StepCostModel:
@@ -67,10 +74,7 @@ class StepCostModel:
     def observe(self, num_decodes: int, prefill_tokens: int, seconds: float) -> None:
         """Learn from one measured step."""
         x = np.array([1.0, num_decodes, prefill_tokens], dtype=np.float64)
-        # Drift: uncertainty grows a little every step, but never beyond a prior's (so a
-        # coefficient unmeasured for an hour is not then set by one sample alone).
-        scale = np.maximum(self.coef, self.prior)
-        self.cov += np.diag((_DRIFT * scale) ** 2 * (np.diag(self.cov) < scale**2))
+        self.cov += np.diag((_DRIFT * np.maximum(self.coef, self.prior)) ** 2)
         pred = float(self.coef @ x)
         noise = (_REL_NOISE * max(pred, 0.0) + _ABS_NOISE_MS) ** 2
         err = seconds * 1e3 - pred
@@ -80,20 +84,52 @@ class StepCostModel:
             # a run of them (the fit is far off, or the machine changed) soon moves it fast.
             err = math.copysign(limit, err)
             self.cov *= _INFLATE
+        self._bound_uncertainty()
         cov_x = self.cov @ x
         gain = cov_x / (float(x @ cov_x) + noise)
-        self.coef = np.maximum(self.coef + gain * err, _FLOOR_MS)
         # Joseph's form of the covariance update: stays symmetric positive definite in
         # floating point although the features span 1 to thousands.
         keep = np.eye(3) - np.outer(gain, x)
         self.cov = keep @ self.cov @ keep.T + np.outer(gain, gain) * noise
+        self.coef = self._at_or_above_floor(self.coef + gain * err)
         self.samples += 1
 
-    def tokens_within(self, target_ms: float, num_decodes: int) -> float:
-        """Prefill tokens a step with `num_decodes` decodes can add and stay within
-        `target_ms` (0 when the decodes alone take that long)."""
-        fixed, per_decode, per_token = self.coefficients
-        return max(target_ms - fixed - per_decode * num_decodes, 0.0) / per_token
+    def _bound_uncertainty(self) -> None:
+        """Drift and distrust make no coefficient's standard deviation more than 10 times
+        its value: wide enough to follow a machine 30 times slower within a few dozen
+        steps, bounded so that steps the model cannot explain (it is linear, the machine
+        is not) do not grow the uncertainty without end."""
+        cap = _MAX_STD * np.maximum(self.coef, self.prior)
+        shrink = np.minimum(1.0, cap / np.sqrt(np.diag(self.cov)))
+        cov = self.cov * np.outer(shrink, shrink)
+        self.cov = (cov + cov.T) / 2
+
+    def _at_or_above_floor(self, coef: np.ndarray) -> np.ndarray:
+        """The coefficients nearest `coef`, measured by the fit's own uncertainty, that
+        are all at or above their floors. Clipping each one alone is not enough: a step
+        that says "faster" may lower two correlated coefficients below zero while raising
+        the third, and clipping only the two would leave the third raised, step after
+        step. Pinning some at their floors moves the others as their correlation says
+        (the Gaussian conditional mean); of the feasible pinnings, the nearest wins."""
+        if (coef >= _FLOOR_MS).all():
+            return coef
+        precision = np.linalg.inv(self.cov)
+        best, best_dist = _FLOOR_MS.copy(), math.inf
+        for pins in itertools.product((False, True), repeat=3):
+            pin = np.array(pins)
+            if not pin.any():
+                continue
+            free = ~pin
+            cand = coef.copy()
+            cand[pin] = _FLOOR_MS[pin]
+            if free.any():
+                shift = np.linalg.solve(self.cov[np.ix_(pin, pin)], _FLOOR_MS[pin] - coef[pin])
+                cand[free] = coef[free] + self.cov[np.ix_(free, pin)] @ shift
+            if (cand[free] >= _FLOOR_MS[free]).all():
+                dist = float((cand - coef) @ precision @ (cand - coef))
+                if dist < best_dist:
+                    best, best_dist = cand, dist
+        return best
 
 
 class PrefillBudget:
@@ -105,13 +141,17 @@ class PrefillBudget:
         self.page_size = config.page_size
         min_pages = div_ceil(MIN_CHUNK_TOKENS, self.page_size)
         self.min_chunk = min(min_pages * self.page_size, self.max_tokens)
+        self.overrun_share = OVERRUN_PREFILL_SHARE
         self.cost = StepCostModel()
 
     def tokens(self, num_decodes: int) -> int:
         """Prompt tokens a step with `num_decodes` decoding requests may compute."""
         if self.target_ms is None or num_decodes == 0:
             return self.max_tokens
-        fit = self.cost.tokens_within(self.target_ms, num_decodes)
+        fixed, per_decode, per_token = self.cost.coefficients
+        decodes_ms = fixed + per_decode * num_decodes
+        room_ms = max(self.target_ms - decodes_ms, self.overrun_share * decodes_ms)
+        fit = room_ms / per_token
         if fit >= self.max_tokens:
             return self.max_tokens
         return max(int(fit) // self.page_size * self.page_size, self.min_chunk)
