@@ -28,9 +28,10 @@ class ServeConfig(EngineConfig):
         EngineConfig.model_fields["itl_target_ms"],
         default=250.0,
         description="inter-token-latency target, on for a server: a step with running "
-        "decodes computes only as many prompt tokens as a step-time model learned online "
-        "fits in this many ms (at least a small chunk, and half the decodes' own time when "
-        "they alone overrun it). 250 ms keeps streams at 4 tokens/s while a long prompt "
+        "decodes computes only as many prompt tokens as fit in this many ms by a step-time "
+        "model learned online (when the decodes alone take most of it, prefill still gets half "
+        "their time, and at least a small chunk). 250 ms keeps streams at 4 tokens/s while a "
+        "long prompt "
         "prefills (a whole 2,048-token chunk takes ~1.7 s on a small CPU) and rarely binds "
         "on a GPU, where a full chunk usually takes less; unset (null): off, every step "
         "computes up to max_prefill_tokens",

@@ -4,8 +4,9 @@ target, and the step-cost model it is computed from.
 Every request decoding in a step waits for the whole step before its next token, so a
 long prefill chunk in the same step is a long gap in every running stream. With
 `itl_target_ms` set, a step that has decodes takes as many prompt tokens as the cost
-model says fit in the target (or, when the decodes alone overrun it, in half their own
-time); at least `min_chunk`, at most `max_prefill_tokens`, in whole pages.
+model says fit in the target, or in half the decodes' own time if that is more (when the
+decodes alone take most of the target); at least `min_chunk`, at most
+`max_prefill_tokens`, in whole pages.
 A step without decodes delays nobody's next token and keeps the full `max_prefill_tokens`.
 
 The cost model is linear in what a step computes, learned online from the step times
@@ -38,10 +39,10 @@ from kvray.core import div_ceil
 # is only "about this large" (a standard deviation of 100% of its value).
 PRIOR_MS = (10.0, 0.5, 0.5)
 MIN_CHUNK_TOKENS = 32  # a prompt's progress per step under the target (rounded up to pages)
-# When the decodes alone take longer than the target, the target cannot be met, and a
-# minimum chunk alone would starve new requests (a 2,000-token prompt would take 63 such
-# steps): prefill then gets this share of the decodes' own time, so a step takes at most
-# 1.5x what its decodes cost, and prompts advance in proportion to the step time.
+# When the decodes alone take (nearly) the whole target, a minimum chunk alone would starve
+# new requests (a 2,000-token prompt would take 63 such steps): prefill always gets at
+# least this share of the decodes' own time, so a step with decodes takes at most the
+# larger of the target and 1.5x its decodes' time, and prompts advance with the step rate.
 OVERRUN_PREFILL_SHARE = 0.5
 
 _FLOOR_MS = np.array([0.0, 0.0, 1e-5])  # no coefficient is negative; a token costs something
