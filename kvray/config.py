@@ -74,10 +74,9 @@ class EngineConfig(BaseModel):
         default=None,
         gt=0,
         description="inter-token-latency target: a step with running decodes computes only as "
-        "many prompt tokens as fit in this many ms by a step-time model learned online; when "
-        "the decodes alone take most of it, prefill still gets half their time (such a step "
-        "takes up to 1.5x its decodes' time) and at least a small chunk, so prompts keep "
-        "advancing; None: every step computes up to max_prefill_tokens",
+        "many prompt tokens as fit in this many ms by a step-time model learned online (but "
+        "at least an eighth of max_prefill_tokens, so prompts keep advancing when the decodes "
+        "alone fill the target); None: every step computes up to max_prefill_tokens",
     )
     max_seq_len: int | None = Field(
         default=None, gt=1, description="longest prompt + output; None: the model's context"

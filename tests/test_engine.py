@@ -197,11 +197,11 @@ def test_tiny_greedy_under_memory_pressure(tiny, variant, cache, page_size) -> N
     ("variant", "cache", "page_size"), [("llama", "radix", 4), ("qwen3", "naive", 1)]
 )
 def test_tiny_greedy_under_an_itl_target(tiny, tiny_checkpoints, variant, cache, page_size) -> None:
-    """An inter-token-latency target no step can meet (and no overrun share, so the chunk
-    does not depend on measured times): a step with decodes takes only the minimum
-    prefill chunk (32 tokens), one without still takes up to 64. A 150-token prompt
-    arriving with a short one is split beside the short one's decodes. Greedy output does
-    not change, and the budget's cost model learns from the worker's measured step times."""
+    """An inter-token-latency target no step can meet: a step with decodes takes only the
+    minimum prefill chunk (8 tokens: an eighth of max_prefill_tokens), one without still
+    takes up to 64. A 150-token prompt arriving with a short one is split beside the short
+    one's decodes. Greedy output does not change, and the budget's cost model learns from
+    the worker's measured step times."""
     path, refs = tiny[variant]
     llm = new_llm(
         path,
@@ -213,7 +213,6 @@ def test_tiny_greedy_under_an_itl_target(tiny, tiny_checkpoints, variant, cache,
         itl_target_ms=1e-3,
     )
     engine = llm.engine
-    engine.scheduler.budget.overrun_share = 0.0
     plans = []
     execute = engine.worker.execute
     engine.worker.execute = lambda plan: plans.append(plan) or execute(plan)
@@ -229,8 +228,9 @@ def test_tiny_greedy_under_an_itl_target(tiny, tiny_checkpoints, variant, cache,
     prefill = [int(p.fill_lens.sum()) for p in plans]
     with_decodes = [(p.fill_lens == 0).any() for p in plans]
     # The first step has no decodes: the short prompt and 56 of the long one; then the
-    # rest of the long prompt 32 tokens a step, beside the short one's decodes.
-    assert prefill[:4] == [64, 32, 32, 30] and with_decodes[:4] == [False, True, True, True]
+    # other 94 tokens of the long prompt 8 a step, beside the short one's decodes.
+    assert prefill[:14] == [64] + [8] * 11 + [6, 0]
+    assert with_decodes[:14] == [False] + [True] * 13
     assert engine.scheduler.budget.cost.samples > len(plans)
 
 

@@ -29,12 +29,10 @@ class ServeConfig(EngineConfig):
         default=250.0,
         description="inter-token-latency target, on for a server: a step with running "
         "decodes computes only as many prompt tokens as fit in this many ms by a step-time "
-        "model learned online (when the decodes alone take most of it, prefill still gets half "
-        "their time, and at least a small chunk). 250 ms keeps streams at 4 tokens/s while a "
-        "long prompt "
-        "prefills (a whole 2,048-token chunk takes ~1.7 s on a small CPU) and rarely binds "
-        "on a GPU, where a full chunk usually takes less; unset (null): off, every step "
-        "computes up to max_prefill_tokens",
+        "model learned online (but at least an eighth of max_prefill_tokens). 250 ms keeps "
+        "streams near 4 tokens/s while a long prompt prefills (a whole 2,048-token chunk "
+        "takes ~1.7 s on a small CPU) and rarely binds on a GPU, where a full chunk usually "
+        "takes less; unset (null): off, every step computes up to max_prefill_tokens",
     )
 
     served_model_name: str | None = Field(

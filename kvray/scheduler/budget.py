@@ -4,9 +4,11 @@ target, and the step-cost model it is computed from.
 Every request decoding in a step waits for the whole step before its next token, so a
 long prefill chunk in the same step is a long gap in every running stream. With
 `itl_target_ms` set, a step that has decodes takes as many prompt tokens as the cost
-model says fit in the target, or in half the decodes' own time if that is more (when the
-decodes alone take most of the target); at least `min_chunk`, at most
-`max_prefill_tokens`, in whole pages.
+model says fit in the target (planning one standard deviation on the slow side), in
+whole pages, at most `max_prefill_tokens` and at least `min_chunk`: an eighth of it, so
+that when the decodes alone (nearly) fill the target, new requests are not starved (a
+whole chunk still goes through in 8 steps; each then overruns the target by the cost of
+that slice, never by a model's error).
 A step without decodes delays nobody's next token and keeps the full `max_prefill_tokens`.
 
 The cost model is linear in what a step computes, learned online from the step times
@@ -32,18 +34,16 @@ import math
 import numpy as np
 
 from kvray.config import SchedulerConfig
-from kvray.core import div_ceil
 
 # Where the fit starts (fixed ms, ms per decode, ms per prefill token): roughly a small
 # model on a few CPU cores. Wrong by 10x is fine: the first few steps fix it, and each prior
 # is only "about this large" (a standard deviation of 100% of its value).
 PRIOR_MS = (10.0, 0.5, 0.5)
-MIN_CHUNK_TOKENS = 32  # a prompt's progress per step under the target (rounded up to pages)
-# When the decodes alone take (nearly) the whole target, a minimum chunk alone would starve
-# new requests (a 2,000-token prompt would take 63 such steps): prefill always gets at
-# least this share of the decodes' own time, so a step with decodes takes at most the
-# larger of the target and 1.5x its decodes' time, and prompts advance with the step rate.
-OVERRUN_PREFILL_SHARE = 0.5
+# A prompt's least progress per step beside decodes, as a share of max_prefill_tokens. A
+# fixed small chunk (32 tokens) starved new requests once the decodes alone filled the
+# target (63 steps for a 2,000-token prompt); a floor on prefill's share of the step's
+# time instead let a model error in the decode cost become a full chunk.
+MIN_CHUNK_SHARE = 1 / 8
 
 _FLOOR_MS = np.array([0.0, 0.0, 1e-5])  # no coefficient is negative; a token costs something
 _REL_NOISE = 0.1  # a step's time scatters ~10% around the model's prediction...
@@ -71,6 +71,15 @@ class StepCostModel:
 
     def predict_ms(self, num_decodes: int, prefill_tokens: int) -> float:
         return float(self.coef @ np.array([1.0, num_decodes, prefill_tokens]))
+
+    def upper_ms(self, num_decodes: int) -> tuple[float, float]:
+        """One standard deviation above the fit: the time of `num_decodes` decodes alone,
+        and the cost of one prefill token. Planning by these, an unsure fit (a fresh one,
+        or one still catching up with a machine that changed) admits less prefill, not
+        more; a settled one is sure within a few percent."""
+        x = np.array([1.0, num_decodes, 0.0])
+        decodes = float(self.coef @ x) + math.sqrt(float(x @ self.cov @ x))
+        return decodes, float(self.coef[2]) + math.sqrt(float(self.cov[2, 2]))
 
     def observe(self, num_decodes: int, prefill_tokens: int, seconds: float) -> None:
         """Learn from one measured step."""
@@ -140,19 +149,16 @@ class PrefillBudget:
         self.max_tokens = config.max_prefill_tokens
         self.target_ms = config.itl_target_ms
         self.page_size = config.page_size
-        min_pages = div_ceil(MIN_CHUNK_TOKENS, self.page_size)
-        self.min_chunk = min(min_pages * self.page_size, self.max_tokens)
-        self.overrun_share = OVERRUN_PREFILL_SHARE
+        pages = int(self.max_tokens * MIN_CHUNK_SHARE) // self.page_size
+        self.min_chunk = min(max(pages, 1) * self.page_size, self.max_tokens)
         self.cost = StepCostModel()
 
     def tokens(self, num_decodes: int) -> int:
         """Prompt tokens a step with `num_decodes` decoding requests may compute."""
         if self.target_ms is None or num_decodes == 0:
             return self.max_tokens
-        fixed, per_decode, per_token = self.cost.coefficients
-        decodes_ms = fixed + per_decode * num_decodes
-        room_ms = max(self.target_ms - decodes_ms, self.overrun_share * decodes_ms)
-        fit = room_ms / per_token
+        decodes_ms, per_token = self.cost.upper_ms(num_decodes)
+        fit = max(self.target_ms - decodes_ms, 0.0) / per_token
         if fit >= self.max_tokens:
             return self.max_tokens
         return max(int(fit) // self.page_size * self.page_size, self.min_chunk)
