@@ -75,7 +75,7 @@ class EngineConfig(BaseModel):
         gt=0,
         description="inter-token-latency target: a step with running decodes computes only as "
         "many prompt tokens as fit in this many ms by a step-time model learned online (but "
-        "at least an eighth of max_prefill_tokens, so prompts keep advancing when the decodes "
+        "at least a sixteenth of max_prefill_tokens, so prompts keep advancing when the decodes "
         "alone fill the target); None: every step computes up to max_prefill_tokens",
     )
     max_seq_len: int | None = Field(

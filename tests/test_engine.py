@@ -198,7 +198,7 @@ def test_tiny_greedy_under_memory_pressure(tiny, variant, cache, page_size) -> N
 )
 def test_tiny_greedy_under_an_itl_target(tiny, tiny_checkpoints, variant, cache, page_size) -> None:
     """An inter-token-latency target no step can meet: a step with decodes takes only the
-    minimum prefill chunk (8 tokens: an eighth of max_prefill_tokens), one without still
+    minimum prefill chunk (4 tokens: a sixteenth of max_prefill_tokens), one without still
     takes up to 64. A 150-token prompt arriving with a short one is split beside the short
     one's decodes. Greedy output does not change, and the budget's cost model learns from
     the worker's measured step times."""
@@ -228,9 +228,9 @@ def test_tiny_greedy_under_an_itl_target(tiny, tiny_checkpoints, variant, cache,
     prefill = [int(p.fill_lens.sum()) for p in plans]
     with_decodes = [(p.fill_lens == 0).any() for p in plans]
     # The first step has no decodes: the short prompt and 56 of the long one; then the
-    # other 94 tokens of the long prompt 8 a step, beside the short one's decodes.
-    assert prefill[:14] == [64] + [8] * 11 + [6, 0]
-    assert with_decodes[:14] == [False] + [True] * 13
+    # other 94 tokens of the long prompt 4 a step, beside the short one's decodes.
+    assert prefill[:26] == [64] + [4] * 23 + [2, 0]
+    assert with_decodes[:26] == [False] + [True] * 25
     assert engine.scheduler.budget.cost.samples > len(plans)
 
 
