@@ -70,6 +70,14 @@ class EngineConfig(BaseModel):
     max_prefill_tokens: int = Field(
         default=2048, gt=0, description="prompt tokens computed per step (the prefill chunk)"
     )
+    itl_target_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="inter-token-latency target: a step with running decodes computes only as "
+        "many prompt tokens as fit in this many ms by a step-time model learned online (but "
+        "at least a sixteenth of max_prefill_tokens, so prompts keep advancing when the decodes "
+        "alone fill the target); None: every step computes up to max_prefill_tokens",
+    )
     max_seq_len: int | None = Field(
         default=None, gt=1, description="longest prompt + output; None: the model's context"
     )
@@ -106,6 +114,7 @@ class SchedulerConfig(BaseModel):
     page_size: int = _engine_field("page_size")
     max_running_reqs: int = _engine_field("max_running_reqs")
     max_prefill_tokens: int = _engine_field("max_prefill_tokens")
+    itl_target_ms: float | None = _engine_field("itl_target_ms")
     cache_policy: CachePolicy = _engine_field("cache_policy")
 
     @classmethod

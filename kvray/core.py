@@ -285,3 +285,6 @@ class StepResult:
     logprobs: np.ndarray | None = None  # float32 [num_samples]
     top_ids: np.ndarray | None = None  # int32 [num_samples, k]
     top_logprobs: np.ndarray | None = None  # float32 [num_samples, k]
+    # Rank 0's wall time for the step, plan in to tokens on the host: the scheduler's
+    # step-cost model learns from it (None: not measured).
+    compute_s: float | None = None

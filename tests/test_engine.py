@@ -193,6 +193,47 @@ def test_tiny_greedy_under_memory_pressure(tiny, variant, cache, page_size) -> N
         assert 0 <= o.num_cached_tokens <= len(o.prompt_token_ids)
 
 
+@pytest.mark.parametrize(
+    ("variant", "cache", "page_size"), [("llama", "radix", 4), ("qwen3", "naive", 1)]
+)
+def test_tiny_greedy_under_an_itl_target(tiny, tiny_checkpoints, variant, cache, page_size) -> None:
+    """An inter-token-latency target no step can meet: a step with decodes takes only the
+    minimum prefill chunk (4 tokens: a sixteenth of max_prefill_tokens), one without still
+    takes up to 64. A 150-token prompt arriving with a short one is split beside the short
+    one's decodes. Greedy output does not change, and the budget's cost model learns from
+    the worker's measured step times."""
+    path, refs = tiny[variant]
+    llm = new_llm(
+        path,
+        page_size=page_size,
+        cache_policy=cache,
+        num_pages=1024 // page_size,
+        max_prefill_tokens=64,
+        max_running_reqs=2,
+        itl_target_ms=1e-3,
+    )
+    engine = llm.engine
+    plans = []
+    execute = engine.worker.execute
+    engine.worker.execute = lambda plan: plans.append(plan) or execute(plan)
+    tiny_batched_then_one_by_one(llm, refs, f"{variant} under an ITL target")
+
+    rng = random.Random(7)
+    short, long = ([rng.randrange(1, TINY_VOCAB) for _ in range(n)] for n in (8, 150))
+    hf = tiny_checkpoints[variant][1]
+    want = [hf_greedy(hf, short, 30), hf_greedy(hf, long, 5)]
+    plans.clear()
+    outs = llm.generate([short, long], [greedy(30), greedy(5)])
+    assert_same_tokens([o.token_ids for o in outs], want, f"{variant} long prompt beside decodes")
+    prefill = [int(p.fill_lens.sum()) for p in plans]
+    with_decodes = [(p.fill_lens == 0).any() for p in plans]
+    # The first step has no decodes: the short prompt and 56 of the long one; then the
+    # other 94 tokens of the long prompt 4 a step, beside the short one's decodes.
+    assert prefill[:26] == [64] + [4] * 23 + [2, 0]
+    assert with_decodes[:26] == [False] + [True] * 25
+    assert engine.scheduler.budget.cost.samples > len(plans)
+
+
 def test_num_cached_tokens_counts_prompt_tokens_only(tiny_checkpoints) -> None:
     """Requests retracted mid-decode are re-admitted by matching prompt + generated tokens;
     `num_cached_tokens` ("prompt tokens served from the prefix cache") still counts prompt

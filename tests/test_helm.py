@@ -568,6 +568,7 @@ def test_every_chart_value_reaches_the_application(helm_render):
         "cache_policy": "naive",
         "max_running_reqs": 7,
         "max_prefill_tokens": 300,
+        "itl_target_ms": 100.0,
         "max_seq_len": 999,
         "attention_backend": "torch",
         "seed": 5,
@@ -593,6 +594,15 @@ def test_every_chart_value_reaches_the_application(helm_render):
     settings = settings_from_args(_serve_app(rs)["args"])
     got = {name: getattr(settings, name) for name in chosen}
     assert got == chosen
+
+
+def test_a_null_itl_target_turns_it_off(helm_render):
+    """engine.itlTargetMs null is the target off (None), as in a serve config; the chart's
+    default is kvray serve's (checked below)."""
+    (rs,) = _kind(helm_render({"engine": {"itlTargetMs": None}}), "RayService")
+    assert settings_from_args(_serve_app(rs)["args"]).itl_target_ms is None
+    assert settings_from_args({"itl_target_ms": None}).itl_target_ms is None
+    assert settings_from_args({}).itl_target_ms == 250.0
 
 
 # Where the chart's defaults deliberately differ from kvray's, and why.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 
@@ -19,7 +20,7 @@ VOCAB = 40
 EOS = 0
 
 
-def make(ps=4, num_pages=64, policy="radix", max_running=16, budget=64, max_seq_len=512):
+def make(ps=4, num_pages=64, policy="radix", max_running=16, budget=64, max_seq_len=512, itl=None):
     cfg = SchedulerConfig(
         num_pages=num_pages,
         page_size=ps,
@@ -27,6 +28,7 @@ def make(ps=4, num_pages=64, policy="radix", max_running=16, budget=64, max_seq_
         max_prefill_tokens=budget,
         max_seq_len=max_seq_len,
         cache_policy=policy,
+        itl_target_ms=itl,
     )
     sched = Scheduler(cfg, eos_token_ids=[EOS])
     ex = HashChainExecutor(
@@ -249,6 +251,9 @@ def test_random_sequences_keep_every_invariant(ps, policy, data):
         max_running=data.draw(st.integers(1, 6), label="rows"),
         budget=data.draw(st.integers(1, 48), label="budget"),
         max_seq_len=96,
+        # An inter-token-latency target over synthetic step times (1 ms + 1 ms a token):
+        # none, one that bites beside a few decodes, one that holds prefill to its minimum.
+        itl=data.draw(st.sampled_from([None, 20.0, 1e-3]), label="itl_target_ms"),
     )
     overlap = data.draw(st.booleans(), label="overlap")
     rng = random.Random(data.draw(st.integers(0, 2**32), label="seed"))
@@ -302,7 +307,8 @@ def test_random_sequences_keep_every_invariant(ps, policy, data):
             plan = sched.step()
             if plan is not None:
                 evicted_after_plan[plan.step_id] = sched.cache.evicted_pages
-                pending.append(ex.execute(plan))
+                seconds = 1e-3 * (1 + int(plan.extend_lens.sum()))
+                pending.append(dataclasses.replace(ex.execute(plan), compute_s=seconds))
             if pending and (plan is None or not overlap or len(pending) > 1):
                 take(pending.pop(0))
         elif op == "abort" and sched.reqs:

@@ -128,6 +128,7 @@ class EngineCore:
                 ]
             self.scheduler = self._new_scheduler()
             self.scheduler.stats = old.stats  # counters stay monotonic across a rebuild
+            self.scheduler.budget.cost = old.budget.cost  # same machine: keep what it learned
             for req in live:
                 self.scheduler.readmit(req)
             self.recoveries += 1

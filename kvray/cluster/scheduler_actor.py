@@ -198,6 +198,8 @@ class SchedulerActor:
             "num_waiting": len(s.waiting),
             # Cached-but-evictable pages count as free, as in vLLM.
             "kv_cache_usage": 1.0 - s.cache.available_pages / s.config.num_pages,
+            # The prefill budget of the next step and the step-time model behind it.
+            **s.budget.info(s.num_decoding),
             "recoveries": self.core.recoveries,
         }
 

@@ -1,7 +1,8 @@
 """Command-line flags derived from a settings model (`EngineConfig`, `ServeConfig`): one
 flag per field, --field-name (plus the field's `cli_aliases`), typed and documented from
 the field's declaration. An unset flag is left out of the parsed values, so the model's own
-default applies: no default is written twice.
+default applies: no default is written twice. An optional field whose default is not None
+takes `none` to unset it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ def _strip_optional(annotation: Any) -> Any:
         if len(args) == 1:
             return args[0]
     return annotation
+
+
+def _or_none(kind: Any) -> Any:
+    """`kind`'s parser that also reads `none` as None."""
+
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its errors
+    return parse
 
 
 def add_model_flags(
@@ -53,6 +64,9 @@ def add_model_flags(
             kw["choices"] = list(typing.get_args(kind))
         else:
             kw["type"] = kind
+            if kind is not field.annotation and default is not None:  # X | None, set
+                kw["type"] = _or_none(kind)
+                help_text += "; 'none' unsets it"
             if choices and name in choices:
                 kw["choices"] = list(choices[name])
         if default not in (None, ()):

@@ -7,10 +7,11 @@ token is out (its prefill ran), each generated token as it arrives, and every re
 ends, by its reason, `abort` included (a client that went away, an engine that failed), so
 aborted work shows on the dashboard like any other.
 
-Engine-level gauges and counters (running / waiting requests, KV usage, prefix-cache
-queries and hits, preemptions, aborts) are read from every engine's scheduler
-at scrape time by `EngineCollector`, so they are exact and summed over data-parallel
-engines.
+Engine-level gauges and counters (running / waiting requests, KV usage, the prefill
+budget, prefix-cache queries and hits, preemptions, aborts) are read from every engine's
+scheduler at scrape time by `EngineCollector`, so they are exact and summed over
+data-parallel engines (the two per-engine levels, KV usage and the prefill budget, are
+averaged).
 """
 
 from __future__ import annotations
@@ -157,6 +158,14 @@ class EngineCollector(Collector):
         )
         usage = total("kv_cache_usage") / len(stats) if stats else 0.0
         yield gauge("kv_cache_usage_perc", "Fraction of KV pages in use (0-1).", usage)
+        budget = total("prefill_budget_tokens") / len(stats) if stats else 0.0
+        yield gauge(
+            "prefill_budget_tokens",
+            "Prompt tokens the next step may compute beside the running decodes (the "
+            "inter-token-latency target's budget; max_prefill_tokens when it is off), "
+            "averaged over engines.",
+            budget,
+        )
         yield counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",

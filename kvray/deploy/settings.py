@@ -13,6 +13,7 @@ from pathlib import PurePath
 from typing import Literal
 
 from pydantic import Field, field_validator
+from pydantic.fields import FieldInfo
 
 from kvray.config import EngineConfig, cli_aliases
 
@@ -22,6 +23,17 @@ PublicPath = Literal["/metrics", "/openapi.json"]
 class ServeConfig(EngineConfig):
     """An engine's settings plus the server's. Unknown keys are an error (a typo in a serve
     config must not be ignored)."""
+
+    itl_target_ms: float | None = FieldInfo.merge_field_infos(
+        EngineConfig.model_fields["itl_target_ms"],
+        default=250.0,
+        description="inter-token-latency target, on for a server: a step with running "
+        "decodes computes only as many prompt tokens as fit in this many ms by a step-time "
+        "model learned online (but at least a sixteenth of max_prefill_tokens). 250 ms keeps "
+        "streams near 4 tokens/s while a long prompt prefills (a whole 2,048-token chunk "
+        "takes ~1.7 s on a small CPU) and rarely binds on a GPU, where a full chunk usually "
+        "takes less; unset (null): off, every step computes up to max_prefill_tokens",
+    )
 
     served_model_name: str | None = Field(
         default=None,

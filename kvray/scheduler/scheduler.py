@@ -3,7 +3,8 @@
 `step()` builds a StepPlan; `process_result()` takes the sampled tokens back. Both may be
 called in the overlapped order plan N, plan N+1, result N, ...: a request's next decode
 is planned before its previous token is known (the workers hold it), so every decision
-here depends on lengths only, never on the values of in-flight tokens.
+here depends on lengths only, never on the values of in-flight tokens. A result also
+carries how long its step took, which the prefill budget (`budget.py`) learns from.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvray.core import (
     flat_positions,
 )
 from kvray.kvcache import create_prefix_cache
+from kvray.scheduler.budget import PrefillBudget
 from kvray.scheduler.cache import CacheManager
 from kvray.scheduler.prefill import PrefillAdder
 from kvray.scheduler.table import TableManager
@@ -81,6 +83,8 @@ class Scheduler:
         self.running: list[Req] = []  # admission order: the newest is retracted first
         self.reqs: dict[int, Req] = {}
         self._inflight: dict[int, list[Req]] = {}  # step_id -> requests sampled by it
+        self._shapes: dict[int, tuple[int, int]] = {}  # step_id -> (decodes, prefill tokens)
+        self.budget = PrefillBudget(config)
         self._next_step_id = 0
         self.stats = SchedulerStats()
         self._seeds = random.Random(seed)
@@ -175,12 +179,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._inflight)
 
+    @property
+    def num_decoding(self) -> int:
+        """Running requests that decode a token next step (at most: a retraction may drop
+        some, so the prefill budget computed from this errs on the short side)."""
+        return sum(1 for r in self.running if not r.prefilling and r.device_len < r.max_device_len)
+
     # -- one step -----------------------------------------------------------------------------
 
     def step(self) -> StepPlan | None:
         """Plan the next forward step, or None when there is nothing to compute."""
         ps = self.page_size
-        adder = PrefillAdder(self.cache, self.table, self.config.max_prefill_tokens)
+        adder = PrefillAdder(self.cache, self.table, self.budget.tokens(self.num_decoding))
         batch: list[tuple[Req, int, bool]] = []  # (request, tokens, is_prefill)
         retracted = False
 
@@ -295,6 +305,8 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         self.stats.steps += 1
+        num_prefills = int(np.count_nonzero(fill_lens))
+        self._shapes[step_id] = (len(batch) - num_prefills, int(fill_lens.sum()))
         if sampled:
             self._inflight[step_id] = sampled
         return StepPlan(
@@ -314,6 +326,9 @@ class Scheduler:
     def process_result(self, result: StepResult) -> list[TokenEvent]:
         """Take the tokens a plan sampled; finish requests that hit a stop condition."""
         reqs = self._inflight.pop(result.step_id, [])
+        shape = self._shapes.pop(result.step_id, None)
+        if shape is not None and result.compute_s is not None:
+            self.budget.observe(*shape, result.compute_s)
         events: list[TokenEvent] = []
         token_ids = result.token_ids.tolist()
         if result.logprobs is not None:

@@ -8,6 +8,7 @@ its own token pool, so the next decode step needs no input ids.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,14 @@ class ModelWorker:
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run one step. Returns the sampled tokens (every rank computes them; the
-        caller keeps rank 0's), or None for a plan with nothing to compute."""
+        caller keeps rank 0's), or None for a plan with nothing to compute.
+
+        The result says how long the step took, timed here rather than by the engine:
+        with steps overlapped (the engine submits plan N+1 before it waits for N), only the
+        worker sees where one step's compute ends and the next one's begins. The clock
+        stops once the tokens are on the host (a device sync), so it is the step's real
+        compute time, not its launch time."""
+        start = time.perf_counter()
         batch = self.mirror.apply(plan)
         if batch is None:
             return None
@@ -97,8 +105,14 @@ class ModelWorker:
         logits = self.model(
             self.mirror.input_ids(batch), batch.positions, self.attn, logits_indices
         )
-        if logits.shape[0] == 0:
-            return StepResult(plan.step_id, np.zeros(0, dtype=np.int32))
+        if logits.shape[0] == 0:  # a prefill chunk that samples nothing
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # stop the clock when the step is done
+            return StepResult(
+                plan.step_id,
+                np.zeros(0, dtype=np.int32),
+                compute_s=time.perf_counter() - start,
+            )
 
         params = self.mirror.sampling_of(plan)
         top_k = max((p.logprobs or 0) for p, _ in params)
@@ -113,5 +127,10 @@ class ModelWorker:
         self.mirror.record_sampled(plan, out.token_ids)
         host = out.numpy()
         return StepResult(
-            plan.step_id, host.token_ids, host.logprobs, host.top_ids, host.top_logprobs
+            plan.step_id,
+            host.token_ids,
+            host.logprobs,
+            host.top_ids,
+            host.top_logprobs,
+            compute_s=time.perf_counter() - start,
         )

@@ -583,7 +583,12 @@ HISTOGRAMS = (
     "request_prompt_tokens",
     "request_generation_tokens",
 )
-GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+GAUGES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "prefill_budget_tokens",
+)
 COUNTERS = (
     "prompt_tokens",
     "generation_tokens",

@@ -135,8 +135,38 @@ def test_serve_config_args_reach_the_settings() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"public_paths": ("/v1/completions",)}, {"max_tokens_cap": 0}, {"max_tokens_default": -1}],
+    [
+        {"public_paths": ("/v1/completions",)},
+        {"max_tokens_cap": 0},
+        {"max_tokens_default": -1},
+        {"itl_target_ms": 0},
+        {"itl_target_ms": -250},
+    ],
 )
 def test_serve_settings_refuse_nonsense(bad: dict) -> None:
     with pytest.raises(ValueError):
         ServeConfig(served_model_name="m", **bad)
+
+
+def test_the_itl_target_is_on_for_a_server_and_a_flag_turns_it_off() -> None:
+    """EngineConfig leaves it off (offline batches want throughput); ServeConfig sets it, and
+    its flag, derived like every other, takes `none` for off."""
+    import argparse
+
+    from kvray.config import EngineConfig
+    from kvray.deploy.flags import add_model_flags, model_from_flags
+
+    assert EngineConfig().itl_target_ms is None
+    assert ServeConfig().itl_target_ms == 250.0
+    assert ServeConfig().engine_config.itl_target_ms == 250.0
+    parser = argparse.ArgumentParser()
+    add_model_flags(parser, ServeConfig)
+
+    def parsed(*argv: str) -> float | None:
+        return model_from_flags(ServeConfig, parser.parse_args(argv)).itl_target_ms
+
+    assert parsed() == 250.0
+    assert parsed("--itl-target-ms", "100") == 100.0
+    assert parsed("--itl-target-ms", "none") is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--itl-target-ms", "fast"])

@@ -137,6 +137,7 @@ each other and that would otherwise leave placement groups pending forever.
       "cache_policy" $e.cachePolicy
       "max_running_reqs" (int $e.maxRunningReqs)
       "max_prefill_tokens" (int $e.maxPrefillTokens)
+      "itl_target_ms" $e.itlTargetMs
       "dtype" $e.dtype
       "attention_backend" $e.attentionBackend
       "placement_strategy" $e.placementStrategy
