@@ -14,7 +14,7 @@ PY=${PYTHON:-python3.11}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 
 "$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
+"$VENV/bin/pip" install -q --upgrade pip packaging
 "$VENV/bin/pip" install -q torch==2.13.0
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
