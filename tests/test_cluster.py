@@ -229,12 +229,15 @@ TP_CASES = [("kv1", 2), ("kv1", 4), ("kv2", 2), ("kv2", 4), ("kv4", 2), ("kv4", 
 @pytest.fixture(scope="module", params=TP_CASES, ids=[f"{n}-tp{t}" for n, t in TP_CASES])
 def tp_engine(request, kvray_ray_cluster, tiny) -> Iterator[tuple[LLM, dict[str, Any], int]]:
     """One Ray engine per (checkpoint, TP size); pytest runs every test of one before
-    starting the next, so at most one of these is alive at a time."""
+    starting the next, so at most one of these is alive at a time. TP 4 dispatches over
+    a compiled graph, TP 2 as the CPU default does (plain actor calls): both paths keep
+    parity."""
     name, tp = request.param
     entry = tiny[name]
     llm, before = start_engine(
         entry["path"],
         tp_size=tp,
+        compiled=True if tp == 4 else None,
         page_size=PAGE_SIZE,
         num_pages=NUM_PAGES,
         max_prefill_tokens=PREFILL_BUDGET,
@@ -498,3 +501,13 @@ def cluster_left_empty() -> Iterator[None]:
             return
         assert time.monotonic() < deadline, f"left behind: actors {left}, placement groups {pgs}"
         time.sleep(0.2)
+
+
+def test_dispatch_defaults_by_device() -> None:
+    """Unset, steps go over a compiled graph on GPUs only (its reads busy-wait a core,
+    which CPU workers need for compute); an explicit choice always wins."""
+    from kvray.cluster.ray_executor import dispatch_compiled
+
+    assert dispatch_compiled(None, "cuda") and dispatch_compiled(None, "cuda:1")
+    assert not dispatch_compiled(None, "cpu")
+    assert dispatch_compiled(True, "cpu") and not dispatch_compiled(False, "cuda")

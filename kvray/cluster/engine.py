@@ -50,7 +50,7 @@ class Engine:
         self,
         config: EngineConfig,
         *,
-        compiled: bool = True,
+        compiled: bool | None = None,
         address: str | None = None,
         worker_cpus: float = 1.0,
         progress: bool = True,

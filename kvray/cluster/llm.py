@@ -36,7 +36,8 @@ class LLM:
     cache_policy, num_pages, max_prefill_tokens, ...), validated there. tp_size 1 runs in
     this process (unless `use_ray`) and never imports Ray; larger TP sizes start an
     `Engine` on Ray (joining `address` / RAY_ADDRESS, or a local cluster, dispatching steps
-    through compiled graphs unless `compiled=False`). Call `shutdown()` (or use the LLM as
+    through compiled graphs on GPUs and plain actor calls on CPU, unless `compiled` says
+    which). Call `shutdown()` (or use the LLM as
     a context manager) to release a Ray engine's actors.
 
     `skip_tokenizer_init` loads no tokenizer (a checkpoint may have none, e.g. random
@@ -50,7 +51,7 @@ class LLM:
         *,
         skip_tokenizer_init: bool = False,
         use_ray: bool | None = None,
-        compiled: bool = True,
+        compiled: bool | None = None,
         address: str | None = None,
         progress: bool = True,
         **engine: Any,

@@ -81,7 +81,7 @@ class SchedulerActor:
         self,
         spec: EngineSpec,
         device: str,
-        compiled: bool = True,
+        compiled: bool | None = None,
         worker_cpus: float = 1.0,
         pg_name_prefix: str = "",
     ) -> None:

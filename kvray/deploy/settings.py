@@ -48,9 +48,12 @@ class ServeConfig(EngineConfig):
     api_key_env: str | None = Field(
         default=None, description="name of an environment variable holding the API key"
     )
-    compiled: bool = Field(
-        default=True,
-        description="dispatch steps over Ray compiled graphs (else plain actor calls)",
+    compiled: bool | None = Field(
+        default=None,
+        description=(
+            "dispatch steps over Ray compiled graphs (else plain actor calls); "
+            "unset: compiled graphs on GPUs, plain calls on CPU"
+        ),
         json_schema_extra=cli_aliases("--compiled-graph"),
     )
     worker_cpus: float = Field(default=1.0, ge=0, description="CPUs each TP worker reserves")
