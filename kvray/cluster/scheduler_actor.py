@@ -13,7 +13,9 @@ Two threads touch the core, which is thread safe (one lock, never held while wai
 workers): the step thread (`StepThread`) plans steps and waits for their results; the
 actor's event loop takes requests (submit, abort, inspection) and hands each request its
 events: `stream(rid)` is an async generator (for the Serve front), `poll(rids)` returns
-whatever is ready (for the offline LLM).
+whatever is ready (for the offline LLM); `finished(rid)` returns once a request has ended
+(the Serve engine replica holds a request open with it while the tokens go straight to the
+ingress).
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class SchedulerActor:
         self._core: EngineCore | None = None
         self._steps: StepThread | None = None
         self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
+        # A live request's end, set (and dropped) when its finishing event is delivered.
+        self._ended: dict[int, asyncio.Event] = {}
 
     @property
     def core(self) -> EngineCore:
@@ -124,6 +128,8 @@ class SchedulerActor:
             q = self._queues.get(ev.rid)
             if q is not None:
                 q.put_nowait(ev)
+            if ev.finished and (ended := self._ended.pop(ev.rid, None)) is not None:
+                ended.set()
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -134,10 +140,11 @@ class SchedulerActor:
         """Queue a request and return its id. RequestRejected propagates to the caller."""
         rid = self.core.new_rid()
         self._queues[rid] = asyncio.Queue()
+        self._ended[rid] = asyncio.Event()
         try:
             self.core.add_request(input_ids, sampling, rid=rid)
         except BaseException:
-            del self._queues[rid]
+            del self._queues[rid], self._ended[rid]
             raise
         assert self._steps is not None  # SERVING: `core` answered
         self._steps.wake()
@@ -159,6 +166,12 @@ class SchedulerActor:
         if events[-1].finished:
             self._queues.pop(rid, None)
         return events
+
+    async def finished(self, rid: int) -> None:
+        """Return once request `rid` has ended (at once for one unknown or already gone)."""
+        ended = self._ended.get(rid)
+        if ended is not None:
+            await ended.wait()
 
     async def stream(self, rid: int) -> AsyncIterator[list[TokenEvent]]:
         """The events of one request, in batches, until it finishes."""

@@ -56,11 +56,14 @@ class EngineDeployment:
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams
-    ) -> AsyncIterator[tuple[str, int] | list[TokenEvent]]:
-        """First yields (scheduler actor name, request id), then batches of events up to
-        the finishing one. The request's only abort on the way: this stream ends before
-        its finishing event (`EngineStream.cancel` aborts it at the scheduler first; this
-        covers an ingress that went away), and the request's pages are freed at once."""
+    ) -> AsyncIterator[tuple[str, int]]:
+        """Submit a request; yield (scheduler actor name, request id) and stay open until
+        the request ends. The tokens do not pass through here: the ingress reads them
+        straight from the scheduler actor (one Ray hop per token batch, not two), while
+        this open stream keeps the request counted against this replica for Serve's
+        router. The request's only abort on the way: this stream ends before the request
+        did (`EngineStream.cancel` aborts it at the scheduler first; this covers an
+        ingress that went away), and the request's pages are freed at once."""
         try:
             rid = await self.actor.submit.remote(input_ids, sampling)
         except Exception as e:
@@ -68,10 +71,8 @@ class EngineDeployment:
         yield (self.name, rid)
         done = False
         try:
-            async for ref in self.actor.stream.options(num_returns="streaming").remote(rid):
-                batch = await ref
-                yield batch
-                done = bool(batch) and batch[-1].finished
+            await self.actor.finished.remote(rid)
+            done = True
         finally:
             if not done:
                 self.actor.abort.remote(rid, "abort")
@@ -96,16 +97,18 @@ class EngineDeployment:
 
 
 class _ServeStream:
-    """An EngineStream over the engine deployment's `generate` stream."""
+    """An EngineStream: the request's events straight from its scheduler actor, while the
+    engine deployment's `generate` stream (`lease`) holds the request open on its replica."""
 
-    def __init__(self, gen: DeploymentResponseGenerator, actor: ActorHandle, rid: int) -> None:
-        self._gen = gen
+    def __init__(self, lease: DeploymentResponseGenerator, actor: ActorHandle, rid: int) -> None:
+        self._lease = lease
         self._actor = actor
         self._rid = rid
+        self._events = actor.stream.options(num_returns="streaming").remote(rid)
 
     async def __aiter__(self) -> AsyncIterator[list[TokenEvent]]:
-        async for batch in self._gen:
-            yield batch
+        async for ref in self._events:
+            yield await ref
 
     def stop(self) -> None:
         # Straight to the request's scheduler (the deployment's router could pick another
@@ -113,12 +116,13 @@ class _ServeStream:
         self._actor.abort.remote(self._rid, "stop")
 
     def cancel(self) -> None:
-        # Abort at the request's scheduler directly (fire and forget, never blocks) and
-        # close the deployment's stream. Serve does not always carry a cancel into the
-        # replica's generator in time, so its own `finally` abort is only the backstop for
-        # an ingress that died; a scheduler ignores an abort of a finished request.
+        # Abort at the request's scheduler directly (fire and forget, never blocks), which
+        # ends its event stream, and release the deployment's stream. Serve does not always
+        # carry a cancel into the replica's generator in time, so its own `finally` abort
+        # is only the backstop for an ingress that died; a scheduler ignores an abort of a
+        # finished request.
         self._actor.abort.remote(self._rid, "abort")
-        self._gen.cancel()
+        self._lease.cancel()
 
 
 class ServeEngineClient:
