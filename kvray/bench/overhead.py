@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from typing import Any
 
 import numpy as np
 
+from kvray.bench import servers
 from kvray.bench.report import machine_info, print_table, write_json
 
 
@@ -94,49 +92,6 @@ async def _served_async(
     return {"ttft_s": ttft, "itl_s": itl}
 
 
-def _launch(model: str | None, dtype: str, port: int) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "kvray.deploy.cli", "serve", "--port", str(port)]
-    cmd += ["--dtype", dtype] + (["--model", model] if model else [])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    return subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[str] | None, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"kvray serve exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/models", timeout=2.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"no server at {url} within {timeout_s:g} s")
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def served(
     args: argparse.Namespace, prompts: list[list[int]], output_len: int
 ) -> dict[str, list[float]]:
@@ -148,13 +103,13 @@ def served(
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
         print(f"starting kvray serve on port {port} ...", flush=True)
-        proc = _launch(args.model, args.dtype, port)
+        proc = servers.launch_kvray(args.model, args.dtype, port)
     try:
-        _wait_ready(url, proc, args.start_timeout)
+        servers.wait_ready(url, proc, args.start_timeout)
         return asyncio.run(_served_async(url, prompts, output_len, args.api_key))
     finally:
         if proc is not None:
-            _stop(proc)
+            servers.stop(proc)
 
 
 def _p(values: list[float], q: float) -> float:

