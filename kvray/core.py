@@ -55,7 +55,8 @@ class StructuredOutputsParams:
     it, or Lark). vLLM's names and meanings.
 
     `key` is what a compiled grammar is cached under: the kind and one canonical text, so
-    equal schemas written with different key orders or spacing compile once."""
+    equal schemas written with different spacing compile once (key order is kept: the
+    output's properties follow the schema's order)."""
 
     json: str | Mapping[str, Any] | None = None
     regex: str | None = None
@@ -83,7 +84,7 @@ class StructuredOutputsParams:
             schema = json.loads(self.json) if isinstance(self.json, str) else dict(self.json)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON Schema must be an object")
-            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
         if self.choice is not None:
             choices = tuple(self.choice)
             if not choices or not all(isinstance(c, str) and c for c in choices):
