@@ -121,7 +121,9 @@ def sample_device(
             f"{num_rows} logits rows but {len(params)} params, {len(seeds)} seeds, "
             f"{len(positions)} positions"
         )
-    if token_bitmask is not None:
+    if token_bitmask is not None and not fused.mask_rows_(
+        logits, token_bitmask.bitmask, token_bitmask.indices
+    ):
         token_bitmask.apply_(logits)
     # Greedy: the first (lowest) id of each row's maximum. Read in the logits' own dtype:
     # upcasting is exact, so it cannot change the winner, and the copy is skipped when no
