@@ -68,9 +68,7 @@ def _allowed(matcher: Any, vocab: int) -> torch.Tensor:
     return bits.flatten()[:vocab].bool()
 
 
-def masked_hf_greedy(
-    hf: Any, grammar: Any, prompt: list[int], max_tokens: int
-) -> list[int]:
+def masked_hf_greedy(hf: Any, grammar: Any, prompt: list[int], max_tokens: int) -> list[int]:
     """The oracle: HF's next-token logits, grammar-disallowed tokens removed, argmax."""
     import xgrammar as xgr
 

@@ -46,9 +46,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.info = _tokenizer_info(tokenizer, vocab_size)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._cache: OrderedDict[tuple[str, str], Future[xgrammar.CompiledGrammar]] = (
-            OrderedDict()
-        )
+        self._cache: OrderedDict[tuple[str, str], Future[xgrammar.CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
         self._max_cached = max_cached
         self._pool: ThreadPoolExecutor | None = None
