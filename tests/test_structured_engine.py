@@ -89,7 +89,7 @@ def masked_hf_greedy(hf: Any, grammar: Any, prompt: list[int], max_tokens: int) 
 
 def test_constrained_greedy_equals_masked_hf_oracle(tiny_checkpoints: dict) -> None:
     path, hf = tiny_checkpoints["llama"]
-    llm = new_llm(path, page_size=4)
+    llm = new_llm(path, page_size=4, num_pages=64)
     compiler = llm.grammar_compiler()
     max_tokens = 40
     constrained = [
