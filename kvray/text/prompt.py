@@ -85,7 +85,10 @@ def _special_pattern(tokenizer: Tokenizer) -> re.Pattern[str] | None:
 
 
 def _content_as_text(
-    tokenizer: Tokenizer, messages: Sequence[Message], pattern: re.Pattern[str], tools: Tools
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    pattern: re.Pattern[str],
+    tools: Tools = None,
 ) -> list[int]:
     text = _render(tokenizer, messages, tools)
     # Where each content lands: render again with unique placeholders for the contents,

@@ -4,6 +4,11 @@ The worker mirrors the scheduler's page_table and token_pool (`PlanMirror`), app
 StepPlan to it, runs the model over the step's tokens, and samples. Every rank computes the
 same sampled tokens (same logits after the all-gather, same seeds), and writes them into
 its own token pool, so the next decode step needs no input ids.
+
+A constrained request's grammar matcher lives here too, next to the sampler
+(`kvray/grammar/matcher.py` says why): the worker masks its row's logits before sampling
+and advances the matcher on the token it samples, so the matcher never lags, whatever the
+scheduler's overlap.
 """
 
 from __future__ import annotations
