@@ -262,6 +262,20 @@ def test_random_schemas_batches_retraction_and_replay(
     assert engine.is_idle_and_empty()
 
 
+def test_an_unchecked_spec_that_does_not_compile_ends_its_request(
+    small_engine: EngineCore,
+) -> None:
+    """The front ends refuse it first; an engine-level caller's request just stops."""
+    bad = SamplingParams(
+        max_tokens=8, stop_token_ids=(STOP,), structured_outputs=StructuredOutputsParams(regex="(")
+    )
+    rid = small_engine.add_request(PROMPT, bad)
+    events = []
+    while small_engine.has_work:
+        events += [ev for ev in small_engine.step() if ev.rid == rid]
+    assert [(ev.token_id, ev.finish_reason) for ev in events] == [(STOP, FinishReason.STOP)]
+
+
 def test_the_property_test_retracted_and_replayed(small_engine: EngineCore) -> None:
     """(Runs after it, on the same engine.) The pool was small enough to force retraction."""
     assert small_engine.scheduler.stats.num_preemptions > 0

@@ -18,6 +18,10 @@ taken a stop token is done: a plan planned before the scheduler saw that token m
 sample the row once more (the token is discarded); that sample is left unconstrained.
 
 Unconstrained rows cost nothing: no bitmask is filled or applied for them.
+
+The front ends compile every spec before the engine sees it; a spec that reaches a worker
+unchecked (an engine-level caller) and does not compile allows only its stop tokens, so
+its request ends at once instead of running unconstrained or failing the worker.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvray.core import Admission
-from kvray.grammar.compiler import GrammarCompiler
+from kvray.grammar.compiler import GrammarCompiler, GrammarError
 
 if TYPE_CHECKING:
     import xgrammar
@@ -63,6 +67,7 @@ class _Row:
     replay: tuple[int, ...]  # tokens to accept before the first mask
     matcher: Any = None  # xgrammar.GrammarMatcher, once the grammar is compiled
     accepted: list[int] = field(default_factory=list)
+    failed: bool = False  # the grammar did not compile: only stop tokens are allowed
 
 
 class GrammarRows:
@@ -100,12 +105,16 @@ class GrammarRows:
         self._rows.pop(row, None)
 
     def _matcher(self, row: _Row) -> Any:
-        if row.matcher is None:
+        """The row's matcher, made (and re-advanced) on first use; None if it failed."""
+        if row.matcher is None and not row.failed:
             import xgrammar as xgr
 
-            row.matcher = xgr.GrammarMatcher(
-                row.grammar.result(), override_stop_tokens=list(row.stop_ids)
-            )
+            try:
+                grammar = row.grammar.result()
+            except GrammarError:
+                row.failed = True
+                return None
+            row.matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=list(row.stop_ids))
             for t in row.replay:
                 self._accept(row, t)
         return row.matcher
@@ -131,9 +140,12 @@ class GrammarRows:
         bitmask = self._buffer()
         for i, row in picked:
             matcher = self._matcher(row)
-            if matcher.is_terminated():
+            if matcher is None:
+                _only(bitmask[i], row.stop_ids)
+            elif matcher.is_terminated():
                 continue  # done: this sample is discarded (see the module docstring)
-            matcher.fill_next_token_bitmask(bitmask, i)
+            else:
+                matcher.fill_next_token_bitmask(bitmask, i)
             indices.append(i)
         if not indices:
             return None
@@ -146,7 +158,10 @@ class GrammarRows:
             return
         for r, t in zip(rows, token_ids, strict=True):
             row = live.get(r)
-            if row is not None and not self._matcher(row).is_terminated():
+            if row is None:
+                continue
+            matcher = self._matcher(row)
+            if matcher is not None and not matcher.is_terminated():
                 self._accept(row, int(t))
 
     def accepted(self, row: int) -> list[int]:
@@ -162,3 +177,11 @@ class GrammarRows:
             vocab = self.compiler.vocab_size
             self._bitmask = xgr.allocate_token_bitmask(self._max_rows, vocab)
         return self._bitmask
+
+
+def _only(words: torch.Tensor, tokens: Sequence[int]) -> None:
+    """Set one bitmask row to allow exactly `tokens`."""
+    words.zero_()
+    for t in tokens:
+        bit = 1 << (t % 32)
+        words[t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
