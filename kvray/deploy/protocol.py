@@ -274,8 +274,12 @@ class StructuredOutputsField(_Request):
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
-    def model_dump(self, **kw: Any) -> dict[str, Any]:
-        return super().model_dump(by_alias=True, **kw)
+    def given(self) -> dict[str, Any]:
+        """The keys set, by their JSON names (`json_object` only when true)."""
+        keys = self.model_dump(by_alias=True, exclude_none=True)
+        if not keys.get("json_object", True):
+            del keys["json_object"]
+        return keys
 
 
 class FunctionDefinition(_Request):
@@ -362,10 +366,7 @@ class _SamplingFields(_Request):
             assert rf.json_schema is not None
             found.append(("response_format", {"json": rf.json_schema.schema_ or {}}))
         if self.structured_outputs is not None:
-            given = self.structured_outputs.model_dump(exclude_none=True)
-            if not given.get("json_object", True):
-                del given["json_object"]
-            found.append(("structured_outputs", given))
+            found.append(("structured_outputs", self.structured_outputs.given()))
         for name, key in (
             ("guided_json", "json"),
             ("guided_regex", "regex"),
