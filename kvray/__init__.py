@@ -1,8 +1,8 @@
 """kvray: LLM serving on Ray with tensor parallelism and a paged, prefix-sharing KV cache."""
 
-from kvray.core import SamplingParams
+from kvray.core import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -8,8 +8,10 @@ scheduling side (CPU only) and the compute side (model, attention, KV pool).
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +44,68 @@ def flat_positions(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return positions
 
 
+GrammarKind = str  # "json" | "regex" | "choice" | "grammar"
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a constrained request's output must match: exactly one of a JSON Schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular
+    expression, one of a list of strings (`choice`), or a grammar (EBNF as xgrammar reads
+    it, or Lark). vLLM's names and meanings.
+
+    `key` is what a compiled grammar is cached under: the kind and one canonical text, so
+    equal schemas written with different spacing compile once (key order is kept: the
+    output's properties follow the schema's order)."""
+
+    json: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice, "
+                f"grammar; got {given or 'none'}"
+            )
+        if self.json is not None:
+            schema = json.loads(self.json) if isinstance(self.json, str) else dict(self.json)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON Schema must be an object")
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
+        if self.choice is not None:
+            choices = tuple(self.choice)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choices)
+
+    @property
+    def key(self) -> tuple[GrammarKind, str]:
+        if self.json is not None:
+            assert isinstance(self.json, str)
+            return ("json", self.json)
+        if self.json_object:
+            return ("json", '{"type": "object"}')
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", json.dumps(list(self.choice)))
+        assert self.grammar is not None
+        return ("grammar", self.grammar)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. temperature 0 is greedy."""
@@ -56,6 +120,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # also return this many top alternatives per token
+    # Constrain the output to a grammar (None: free text). A constrained request ends on
+    # one of its stop tokens once the grammar is complete.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers while keeping the dataclass hashable and frozen.
@@ -187,6 +254,11 @@ class Admission:
     rid: int
     sampling: SamplingParams
     seed: int  # fixed per request, so every rank (and a replay) draws the same tokens
+    # Constrained requests only (`sampling.structured_outputs`): the tokens that end the
+    # grammar, and the tokens the request has already output, which a re-admitted
+    # (retracted or replayed) request's grammar matcher re-advances over before it masks.
+    stop_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from hash_chain import HashChainExecutor
 from kvray.bench.dispatch import write_tiny_llama
 from kvray.cluster.llm import LLM
 from kvray.config import SchedulerConfig
-from kvray.core import SamplingParams
+from kvray.core import SamplingParams, StructuredOutputsParams
 from kvray.scheduler import Scheduler
 from kvray.text import chat_ids
 
@@ -263,6 +263,38 @@ def test_tp_greedy_matches_tp1_and_hf(tp_engine) -> None:
     # One at a time (a batch of one on every rank).
     alone = [llm.generate(p, greedy(MAX_NEW))[0].token_ids for p in PROMPTS[:2]]
     assert_same(alone, entry["hf"][:2], f"TP {tp}, one at a time, vs Hugging Face")
+    if (f"kv{entry['kv']}", tp) == CONSTRAINED_CASE:
+        assert_constrained_matches_tp1(llm, entry, tp)
+
+
+CONSTRAINED = [
+    SamplingParams(
+        temperature=temperature,
+        seed=11,
+        max_tokens=24,
+        stop_token_ids=(2,),  # <|im_end|>: the tiny checkpoints have no EOS of their own
+        structured_outputs=spec,
+    )
+    for temperature in (0.0, 1.0)
+    for spec in (
+        StructuredOutputsParams(
+            json={"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"]}
+        ),
+        StructuredOutputsParams(regex=r"[0-9]{2,6}"),
+    )
+]
+
+
+CONSTRAINED_CASE = ("kv2", 4)  # one shape: each TP worker sets up its grammar backend
+
+
+def assert_constrained_matches_tp1(llm: LLM, entry: dict[str, Any], tp: int) -> None:
+    """Every rank keeps the same grammar matchers and masks: constrained output, greedy and
+    seeded, is the in-process TP 1 engine's."""
+    prompts = [PROMPTS[0]] * len(CONSTRAINED)
+    got = [o.token_ids for o in llm.generate(prompts, CONSTRAINED)]
+    want = [o.token_ids for o in entry["tp1"].generate(prompts, CONSTRAINED)]
+    assert_same(got, want, f"constrained, TP {tp} vs in-process TP 1")
 
 
 def expected_kv_shape(layers: int, kv: int, tp: int, head_dim: int) -> tuple[int, ...]:

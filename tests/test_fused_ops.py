@@ -263,6 +263,29 @@ def test_argmax_rows(path: str, dtype: torch.dtype, vocab: int) -> None:
         assert torch.equal(fused.argmax_rows(t), t.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [49152, 301, 33, 5])
+def test_mask_rows_is_xgrammars_token_bitmask(dtype: torch.dtype, vocab: int) -> None:
+    """The kernel's grammar masks equal xgrammar's own `apply_token_bitmask_inplace`:
+    listed rows only, every kind of word (all allowed, none, mixed), the vocabulary's tail."""
+    import xgrammar as xgr
+
+    if not fused.available():
+        pytest.skip("no fused CPU kernel here")
+    words = (vocab + 31) // 32
+    g = torch.Generator().manual_seed(vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, words), dtype=torch.int32, generator=g)
+    bitmask[1] = -1  # all allowed
+    bitmask[2] = 0  # none
+    bitmask[3, ::2] = 0
+    x = _randn(6, vocab, dtype=dtype, seed=3)
+    want = x.clone()
+    rows = [0, 1, 2, 3, 5]
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab, indices=rows)
+    assert fused.mask_rows_(x, bitmask, rows)
+    assert torch.equal(x, want)
+
+
 _STEPS_SCRIPT = """
 import resource, sys, torch
 if sys.argv[1] == "tuned":

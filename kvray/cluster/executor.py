@@ -42,7 +42,13 @@ class LocalExecutor(Executor):
     """One worker in this process (TP 1): submit computes the step at once."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
         self.worker = ModelWorker(spec, TPGroup())
+
+    def rebuild(self, timeout_s: float) -> None:
+        """A fresh worker: every K/V, token-pool and grammar state is gone, as when a TP
+        group is rebuilt, so the engine replays its requests from the tokens they hold."""
+        self.worker = ModelWorker(self.spec, TPGroup())
 
     def submit(self, plan: StepPlan) -> StepResult | None:
         return self.worker.execute(plan)

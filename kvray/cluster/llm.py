@@ -12,6 +12,7 @@ from kvray.cluster.local import LocalEngine
 from kvray.cluster.spec import EngineSpec
 from kvray.config import EngineConfig
 from kvray.core import FinishReason, SamplingParams, TokenEvent
+from kvray.grammar import GrammarCompiler, compiler_for
 from kvray.text import Message, OutputState, chat_ids, encode, load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -103,6 +104,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompt_ids):
                 raise ValueError(f"{len(params)} sampling params for {len(prompt_ids)} prompts")
+        for sp in params:
+            if sp.structured_outputs is not None:  # GrammarError before anything runs
+                self.grammar_compiler().compile(sp.structured_outputs)
         states = [
             OutputState(ids, sp, self.tokenizer) for ids, sp in zip(prompt_ids, params, strict=True)
         ]
@@ -120,6 +124,10 @@ class LLM:
                 self.engine.abort(rid)
             raise
         return [_completion(ids, state) for ids, state in zip(prompt_ids, states, strict=True)]
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """This process's grammar compiler for the model (the in-process worker shares it)."""
+        return compiler_for(self.spec.model_path, self.spec.vocab_size)
 
     def _take(self, ev: TokenEvent, state: OutputState) -> bool:
         """Record one event of a live request; True once it has finished."""

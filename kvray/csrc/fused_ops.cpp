@@ -11,6 +11,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 // Built with -ffp-contract=off: a multiply followed by an add must round twice, as the
 // separate torch ops do, never fuse into one FMA. FMAs are written explicitly where ATen
@@ -400,6 +401,35 @@ void argmax_rows_impl(const torch::Tensor& x, torch::Tensor& out) {
   });
 }
 
+// ---- grammar token masks --------------------------------------------------------------------
+
+// x[r, j] = -inf wherever bit j % 32 of word j / 32 of bitmask[r] is 0 (a token the row's
+// grammar disallows), for each listed row r: one masked store per word of 32 tokens.
+template <typename T>
+void mask_rows_impl(torch::Tensor& x, const torch::Tensor& bitmask,
+                    const std::vector<int64_t>& rows) {
+  const int64_t V = x.size(1), sx = x.stride(0), sb = bitmask.stride(0);
+  T* xp = reinterpret_cast<T*>(x.data_ptr());
+  const int32_t* bp = bitmask.data_ptr<int32_t>();
+  // One thread: a row takes microseconds, less than waking the pool costs.
+  for (const int64_t r : rows) {
+    T* p = xp + r * sx;
+    const int32_t* words = bp + r * sb;
+    for (int64_t j = 0; j < V; j += 32) {
+      uint32_t off = ~uint32_t(words[j / 32]);  // the disallowed tokens of this word
+      if (V - j < 32) off &= (1u << (V - j)) - 1u;
+      if (!off) continue;
+      if constexpr (std::is_same_v<T, bf16>) {
+        _mm512_mask_storeu_epi16(p + j, off, _mm512_set1_epi16(int16_t(0xFF80)));  // -inf
+      } else {
+        const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+        _mm512_mask_storeu_ps(p + j, __mmask16(off), neg_inf);
+        _mm512_mask_storeu_ps(p + j + 16, __mmask16(off >> 16), neg_inf);
+      }
+    }
+  }
+}
+
 // ---- entry points: each returns nothing (None in Python) for inputs it does not serve,
 // and the caller then runs the torch expression -----------------------------------------
 
@@ -480,8 +510,23 @@ std::optional<torch::Tensor> argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// In place; false (nothing done) for inputs it does not serve.
+bool mask_rows_(torch::Tensor x, torch::Tensor bitmask, std::vector<int64_t> rows) {
+  if (!servable({&x}) || x.dim() != 2 || bitmask.scalar_type() != torch::kInt32 ||
+      !bitmask.device().is_cpu() || bitmask.dim() != 2 || bitmask.stride(1) != 1 ||
+      bitmask.size(0) < x.size(0) || bitmask.size(1) * 32 < x.size(1))
+    return false;
+  for (const int64_t r : rows) {
+    if (r < 0 || r >= x.size(0)) return false;
+  }
+  if (is_bf16(x)) mask_rows_impl<bf16>(x, bitmask, rows);
+  else mask_rows_impl<float>(x, bitmask, rows);
+  return true;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows);
+  m.def("mask_rows_", &mask_rows_);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_mul", &silu_mul);

@@ -95,7 +95,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-_BENCHES = ("offline", "prefix", "serve", "overhead", "scheduler", "dispatch", "soak")
+_BENCHES = (
+    "offline",
+    "prefix",
+    "serve",
+    "overhead",
+    "scheduler",
+    "dispatch",
+    "soak",
+    "structured",
+)
 
 
 def _bench(args: argparse.Namespace) -> int:

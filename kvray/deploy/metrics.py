@@ -47,6 +47,7 @@ _LATENCY_BUCKETS = (
     640.0,
     2560.0,
 )
+_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
@@ -79,6 +80,17 @@ class RequestMetrics:
         self.generation_tokens = Counter(
             "kvray:generation_tokens", "Tokens generated.", label, registry=registry
         ).labels(model_name)
+        self.constrained_requests = Counter(
+            "kvray:constrained_requests",
+            "Requests whose output a grammar constrains (structured outputs, forced tools).",
+            label,
+            registry=registry,
+        ).labels(model_name)
+        self.grammar_compile = hist(
+            "grammar_compile_seconds",
+            "Time to compile a grammar this server had not compiled before.",
+            _COMPILE_BUCKETS,
+        )
         self._success = Counter(
             "kvray:request_success",
             "Requests finished, by reason.",

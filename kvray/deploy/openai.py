@@ -44,6 +44,7 @@ from kvray.deploy.protocol import (
 )
 from kvray.deploy.protocol import FinishReason as ResponseFinish
 from kvray.deploy.settings import ServeConfig
+from kvray.deploy.tools import ReplyStream
 from kvray.text import Logprob, OutputDelta, OutputState
 
 if TYPE_CHECKING:
@@ -86,7 +87,10 @@ class ChunkStream(Generic[Chunk]):
             self._generation.close()
 
 
-def _finish(reason: FinishReason | None) -> ResponseFinish | None:
+def _finish(reason: FinishReason | None, called: bool = False) -> ResponseFinish | None:
+    """The response's finish reason; a reply that stopped on tool calls says so."""
+    if called and reason is FinishReason.STOP:
+        return "tool_calls"
     return None if reason is None else _FINISH[reason]
 
 
@@ -106,6 +110,8 @@ class OpenAIServing:
         self.engine = engine
         self.metrics = metrics
         self.prepare = Preparer(tokenizer, limits, policy or ServeConfig())
+        if metrics is not None:
+            self.prepare.grammar.on_compile = metrics.grammar_compile.observe
 
     def models(self) -> ModelList:
         card = ModelCard(
@@ -129,6 +135,8 @@ class OpenAIServing:
         rejection becomes the 400 naming the request's field."""
         self._check_model(model)
         prepared = prepare()
+        if self.metrics is not None and prepared.constrained:
+            self.metrics.constrained_requests.inc()
         try:
             gen = await Generation.start(self.engine, prepared.jobs, self.tokenizer, self.metrics)
         except RequestRejected as e:
@@ -189,15 +197,19 @@ class OpenAIServing:
         if req.stream:
             return ChunkStream(self._chat_chunks(req, prepared, gen, head), gen)
         await gen.wait()
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=out.text),
-                logprobs=self._chat_logprobs(out.logprobs) if req.logprobs else None,
-                finish_reason=_finish(out.finish_reason),
+        choices = []
+        for i, out in enumerate(gen.outputs):
+            assert out.finish_reason is not None
+            content, calls = prepared.tools.reply(out.text, out.finish_reason)
+            message = AssistantMessage(content=content, tool_calls=calls or None)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self._chat_logprobs(out.logprobs) if req.logprobs else None,
+                    finish_reason=_finish(out.finish_reason, bool(calls)),
+                )
             )
-            for i, out in enumerate(gen.outputs)
-        ]
         return ChatCompletion(**head, choices=choices, usage=_usage(prepared, gen.outputs))
 
     async def _chat_chunks(
@@ -207,16 +219,21 @@ class OpenAIServing:
             role = ChatDelta(role="assistant", content="")
             first = ChatChunkChoice(index=i, delta=role, logprobs=None, finish_reason=None)
             yield ChatCompletionChunk(**head, choices=[first])
+        replies = [ReplyStream(prepared.tools) for _ in gen.outputs]
         async with aclosing(gen.deltas()) as deltas:
             async for c in deltas:
                 d = c.delta
                 if not d.shows_something:
                     continue
+                reply = replies[c.index]
+                text, calls = reply.push(d.text, d.finish_reason)
+                if not (text or calls or d.finish_reason):
+                    continue  # held back (a tool call may be starting)
                 choice = ChatChunkChoice(
                     index=c.index,
-                    delta=ChatDelta(content=d.text or None),
+                    delta=ChatDelta(content=text or None, tool_calls=calls or None),
                     logprobs=self._chat_logprobs(d.logprobs) if req.logprobs else None,
-                    finish_reason=_finish(d.finish_reason),
+                    finish_reason=_finish(d.finish_reason, reply.called),
                 )
                 yield ChatCompletionChunk(**head, choices=[choice])
         if req.include_usage:

@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvray.core import RequestRejected, SamplingParams
+from kvray.core import RequestRejected, SamplingParams, StructuredOutputsParams
 from kvray.deploy.generation import EngineLimits, Job
 from kvray.deploy.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvray.deploy.settings import ServeConfig
+from kvray.deploy.tools import ToolMode, template_renders_tools
+from kvray.grammar import GrammarCompiler, GrammarError
 from kvray.text import chat_ids, document_start_id, encode
 
 if TYPE_CHECKING:
@@ -31,6 +33,11 @@ class Prepared:
     jobs: tuple[Job, ...]
     prompt_lens: tuple[int, ...]  # one per prompt (n choices share theirs), for usage
     fields: Mapping[str, str]  # the engine's field name -> the request's
+    tools: ToolMode = ToolMode("none")  # how the reply may call tools (chat)
+
+    @property
+    def constrained(self) -> bool:
+        return any(j.sampling.structured_outputs is not None for j in self.jobs)
 
     def rejected(self, e: RequestRejected) -> APIError:
         """The engine's rejection as a 400 naming the request's field. The engine calls
@@ -48,6 +55,43 @@ class Preparer:
         self.engine = engine
         self.policy = policy
         self._document_start = document_start_id(tokenizer)
+        self._grammar: GrammarCompiler | None = None
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """This server's grammar compiler: it checks every constrained request before the
+        engine sees it (and warms nothing else: each engine worker compiles its own)."""
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(self.tokenizer, self.engine.vocab_size)
+        return self._grammar
+
+    def _structured(
+        self, req: CompletionRequest | ChatCompletionRequest, tools: ToolMode
+    ) -> StructuredOutputsParams | None:
+        """The request's output constraint (at most one), compiled once here so that a
+        spec the grammar backend refuses is a 400 naming its field."""
+        found = req.constraints()
+        forced = tools.structured_outputs()
+        if forced is not None:
+            found.append(("tool_choice", {}))
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise APIError(
+                400, f"set at most one output constraint; this request sets {names}", found[1][0]
+            )
+        if not found:
+            return None
+        field, given = found[0]
+        try:
+            params = forced or StructuredOutputsParams(**given)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"{field}: {e}", field) from None
+        try:
+            self.grammar.compile(params)
+        except GrammarError as e:
+            what = "the tools' parameters" if field == "tool_choice" else field
+            raise APIError(400, f"{what} cannot be compiled into a grammar: {e}", field) from None
+        return params
 
     def document_start(self) -> list[int]:
         """What a null prompt means: the start of a document (`text.document_start_id`)."""
@@ -58,6 +102,7 @@ class Preparer:
         return [self._document_start]
 
     def completion(self, req: CompletionRequest) -> Prepared:
+        structured = self._structured(req, ToolMode("none"))
         given = req.prompts()
         if given is None:
             prompts = [self.document_start()]
@@ -67,15 +112,22 @@ class Preparer:
         for p, ids in enumerate(prompts):
             max_tokens = self._budget(len(ids), req.max_tokens, "max_tokens")
             jobs += [
-                Job(p * n + j, ids, _sampling(req, max_tokens, j, req.logprobs)) for j in range(n)
+                Job(p * n + j, ids, _sampling(req, max_tokens, j, req.logprobs, structured))
+                for j in range(n)
             ]
         fields = {"prompt": "prompt", "max_tokens": "max_tokens"}
         return Prepared(tuple(jobs), tuple(len(p) for p in prompts), fields)
 
     def chat(self, req: ChatCompletionRequest) -> Prepared:
+        tools = ToolMode.of(req)
+        structured = self._structured(req, tools)
+        native = template_renders_tools(getattr(self.tokenizer, "chat_template", None))
         try:
             ids = chat_ids(
-                self.tokenizer, req.conversation(), self.policy.special_tokens_in_messages
+                self.tokenizer,
+                tools.messages(req.messages, native),
+                self.policy.special_tokens_in_messages,
+                tools.template_tools() if native and tools.calls_tools else None,
             )
         except RequestRejected as e:
             raise APIError(400, str(e), e.param) from None
@@ -87,9 +139,11 @@ class Preparer:
         max_tokens = self._budget(len(ids), requested, field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = tuple(
-            Job(j, ids, _sampling(req, max_tokens, j, logprobs)) for j in range(req.num_choices)
+            Job(j, ids, _sampling(req, max_tokens, j, logprobs, structured))
+            for j in range(req.num_choices)
         )
-        return Prepared(jobs, (len(ids),), {"prompt": "messages", "max_tokens": field})
+        fields = {"prompt": "messages", "max_tokens": field}
+        return Prepared(jobs, (len(ids),), fields, tools)
 
     def _budget(self, prompt_len: int, requested: int | None, field: str) -> int:
         """The max_tokens to ask the engine for: what the request asked (within the
@@ -110,6 +164,7 @@ def _sampling(
     max_tokens: int,
     choice: int,
     logprobs: int | None,
+    structured: StructuredOutputsParams | None,
 ) -> SamplingParams:
     # n choices of one seeded request differ from each other, and each is reproducible.
     seed = None if req.seed is None else (req.seed + choice) % (2**63)
@@ -124,4 +179,5 @@ def _sampling(
         ignore_eos=bool(req.ignore_eos),
         seed=seed,
         logprobs=logprobs,
+        structured_outputs=structured,
     )

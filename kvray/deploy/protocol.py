@@ -4,8 +4,15 @@ Requests accept what OpenAI clients send; unknown extra fields are ignored (as v
 Every field the OpenAI reference marks nullable accepts `null`, which means its default
 (`docs/api.md` has the table). `max_tokens: null` keeps vLLM's meaning instead: no limit
 from the client, so the server's default applies. Fields kvray cannot honour (penalties,
-logit_bias, echo, suffix, best_of != n, tools) are refused with a 400 naming the field
-rather than silently ignored.
+logit_bias, echo, suffix, best_of != n) are refused with a 400 naming the field rather
+than silently ignored.
+
+Structured outputs come in every spelling vLLM accepts: `response_format` (OpenAI's
+`json_object` and `json_schema`), the `structured_outputs` object (`json`, `regex`,
+`choice`, `grammar`, `json_object`), and the older `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`; at most one of them per request. Chat requests also take
+`tools`, `tool_choice` and `parallel_tool_calls`, and `tool` / assistant `tool_calls`
+messages in the history (`tools.py` turns them into prompts, grammars and tool calls).
 
 The response models are what the server sends: `openai.py` builds them, `api.py` serializes
 them at the HTTP edge, and the published OpenAPI document (`openapi.py`) is generated from
@@ -238,6 +245,75 @@ class StreamOptions(_Request):
     include_usage: StrictBool | None = False
 
 
+class JSONSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return self
+
+
+class StructuredOutputsField(_Request):
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    def given(self) -> dict[str, Any]:
+        """The keys set, by their JSON names (`json_object` only when true)."""
+        keys = self.model_dump(by_alias=True, exclude_none=True)
+        if not keys.get("json_object", True):
+            del keys["json_object"]
+        return keys
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request):
+    name: Text
+    arguments: Text  # a JSON object, as text
+
+
+class ToolCall(_Request):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -270,6 +346,37 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, StrictFloat] | None = Field(
         default=None, json_schema_extra=_published({"type": "object", "maxProperties": 0})
     )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = Field(
+        default=None, description="vLLM extra: exactly one of json, regex, choice, grammar"
+    )
+    guided_json: dict[str, Any] | Text | None = Field(default=None, description="vLLM extra")
+    guided_regex: Text | None = Field(default=None, description="vLLM extra")
+    guided_choice: list[Text] | None = Field(default=None, description="vLLM extra")
+    guided_grammar: Text | None = Field(default=None, description="vLLM extra")
+
+    def constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every output constraint the request sets, as (field, vLLM `structured_outputs`
+        keys); more than one is the caller's to refuse."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            assert rf.json_schema is not None
+            found.append(("response_format", {"json": rf.json_schema.schema_ or {}}))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.given()))
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {key: value}))
+        return found
 
     @field_validator("stop")
     @classmethod
@@ -381,6 +488,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Text | list[TextPart] | None, BeforeValidator(_content_shape)] = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -398,42 +507,22 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    # Accepted only in their "off" form: kvray has no tool calling or constrained output.
-    tools: list[Any] | None = Field(
-        default=None, json_schema_extra=_published({"type": "array", "maxItems": 0})
-    )
-    tool_choice: Any = Field(default=None, json_schema_extra=_published({"enum": ["none", "auto"]}))
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict[str, Any] | None = Field(
-        default=None,
-        json_schema_extra=_published({"type": "object", "properties": {"type": {"const": "text"}}}),
-    )
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tool calling is not supported by kvray (send [] or omit it)")
-        return v
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, v: Any) -> Any:
-        if v not in (None, "none", "auto"):
+    def _names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(
-                f"tool calling is not supported by kvray (send 'none'), got {json_kind(v)}"
+                f"names the function {choice.function.name!r}, which is not among tools "
+                f"({', '.join(names) or 'none given'})"
             )
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and v.get("type") != "text":
-            raise ValueError(
-                "only {'type': 'text'} is supported by kvray, got type "
-                f"{json_kind(v.get('type'))}"
-            )
-        return v
+        if choice == "required" and not names:
+            raise ValueError("'required' needs tools")
+        return choice
 
     @field_validator("top_logprobs")
     @classmethod
@@ -448,13 +537,21 @@ class ChatCompletionRequest(_SamplingFields):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named: how the reply may call tools (OpenAI's
+        default: auto when tools are given, else none)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        if not self.tools:
+            return "none"
+        return choice or "auto"
 
 
 # -- responses --------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ErrorDetail(BaseModel):
@@ -513,9 +610,14 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChoice(BaseModel):
@@ -534,8 +636,19 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-def _is_none(value: object) -> bool:
-    return value is None
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_is_none)
+    arguments: str | None = Field(default=None, exclude_if=_is_none)
+
+
+class ToolCallDelta(BaseModel):
+    """One tool call's part of a chunk: the first carries its id, type and name, the
+    next ones pieces of its arguments (OpenAI's streaming of tool calls)."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_is_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_is_none)
+    function: FunctionCallDelta
 
 
 class ChatDelta(BaseModel):
@@ -543,6 +656,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(BaseModel):

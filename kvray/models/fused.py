@@ -119,6 +119,16 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def mask_rows_(x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> bool:
+    """For each listed row r of x [S, V]: x[r, j] = -inf wherever bit j of bitmask[r]
+    (int32 words, bit j % 32 of word j // 32) is 0; in place. A grammar's token mask, as
+    xgrammar's `apply_token_bitmask_inplace` applies it, at memory speed on bf16 too.
+    False when the kernel does not serve the input (the caller applies it otherwise)."""
+    if x.is_cpu and (mod := _mod()) is not None:
+        return bool(mod.mask_rows_(x, bitmask, rows))
+    return False
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`rotary_reference(x, cos, sin)` for x [T, H, D], cos/sin [T, D].
 

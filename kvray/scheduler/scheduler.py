@@ -45,6 +45,23 @@ def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def _admission(req: Req) -> Admission:
+    """A row's admission. A constrained request also carries its stop tokens and the
+    tokens it has output so far (none on first admission; all of them after a retraction
+    or a replay, which is only re-admitted once no token of it is in flight), so the
+    worker's grammar matcher resumes exactly where the request is."""
+    if req.sampling.structured_outputs is None:
+        return Admission(req.table_idx, req.rid, req.sampling, req.seed)
+    return Admission(
+        req.table_idx,
+        req.rid,
+        req.sampling,
+        req.seed,
+        stop_ids=tuple(sorted(req.stop_ids)),
+        output_ids=tuple(req.output_ids),
+    )
+
+
 @dataclass
 class SchedulerStats:
     """Monotonic counters (tokens unless named otherwise)."""
@@ -99,6 +116,13 @@ class Scheduler:
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop |= self.eos_token_ids
+        if sampling.structured_outputs is not None and not stop:
+            raise RequestRejected(
+                "a constrained request needs a token that ends it once its grammar is "
+                "complete: this model has no EOS token (or ignore_eos is set) and no "
+                "stop_token_ids were given",
+                "stop_token_ids",
+            )
         seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
         req = Req(
             rid=rid,
@@ -241,7 +265,7 @@ class Scheduler:
                     break
                 self.running.append(req)
                 prefilling.append(req)
-                admitted.append(Admission(req.table_idx, req.rid, req.sampling, req.seed))
+                admitted.append(_admission(req))
                 if req.first_scheduled_time is None:  # first admission (not a re-admission)
                     req.first_scheduled_time = time.monotonic()
                     req.num_cached_prompt = min(req.cached_len, req.prompt_len)

@@ -19,7 +19,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvray.core import RequestRejected
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     Tokenizer: TypeAlias = PreTrainedTokenizerBase
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}
+Tools = Sequence[Mapping[str, Any]] | None  # OpenAI tool definitions, for the template
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -53,20 +54,25 @@ def document_start_id(tokenizer: Tokenizer) -> int | None:
 
 
 def chat_ids(
-    tokenizer: Tokenizer, messages: Sequence[Message], special_tokens_in_content: bool = False
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    special_tokens_in_content: bool = False,
+    tools: Tools = None,
 ) -> list[int]:
-    """Token ids of `messages` through the chat template, ready for the assistant's reply.
-    Raises RequestRejected (param `messages`) when the model has no chat template, or when
-    typed special-token text cannot be kept as text."""
+    """Token ids of `messages` through the chat template, ready for the assistant's reply
+    (`tools` are handed to the template, for templates that render them). Raises
+    RequestRejected (param `messages`) when the model has no chat template, or when typed
+    special-token text cannot be kept as text."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestRejected("this model's tokenizer has no chat template", "messages")
-    ids = list(tokenizer(_render(tokenizer, messages), add_special_tokens=False)["input_ids"])
+    text = _render(tokenizer, messages, tools)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     pattern = _special_pattern(tokenizer)
     if special_tokens_in_content or pattern is None:
         return ids
     if not any(pattern.search(m.get("content") or "") for m in messages):
         return ids
-    return _content_as_text(tokenizer, messages, pattern)
+    return _content_as_text(tokenizer, messages, pattern, tools)
 
 
 @lru_cache(maxsize=8)
@@ -79,15 +85,18 @@ def _special_pattern(tokenizer: Tokenizer) -> re.Pattern[str] | None:
 
 
 def _content_as_text(
-    tokenizer: Tokenizer, messages: Sequence[Message], pattern: re.Pattern[str]
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    pattern: re.Pattern[str],
+    tools: Tools = None,
 ) -> list[int]:
-    text = _render(tokenizer, messages)
+    text = _render(tokenizer, messages, tools)
     # Where each content lands: render again with unique placeholders for the contents,
     # and check that putting the real contents back gives the same text.
     nonce = secrets.token_hex(8)
     marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
     placeholders = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
-    skeleton = _render(tokenizer, placeholders)
+    skeleton = _render(tokenizer, placeholders, tools)
     pieces: list[str] = []
     rest = skeleton
     for mark in marks:
@@ -120,9 +129,12 @@ def _content_as_text(
     return ids
 
 
-def _render(tokenizer: Tokenizer, messages: Sequence[Message]) -> str:
+def _render(tokenizer: Tokenizer, messages: Sequence[Message], tools: Tools = None) -> str:
     text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        [dict(m) for m in messages],
+        tools=[dict(t) for t in tools] if tools else None,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     assert isinstance(text, str)
     return text

@@ -8,7 +8,11 @@ no generator state). So a request draws the same token whatever its batch mates,
 rank and in every process.
 
 Logprobs are those of the raw logits (log-softmax at temperature 1, before any filtering),
-like vLLM's default.
+like vLLM's default; for a row constrained by a grammar, of its masked logits.
+
+A grammar's mask (`TokenBitmask`, from the worker's `GrammarRows`) comes first: it sets the
+disallowed tokens of the constrained rows to -inf in place, before greedy argmax and before
+temperature, min_p, top_k and top_p, so every filter sees only tokens the grammar allows.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 
 from kvray.core import SamplingParams
+from kvray.grammar import TokenBitmask
 from kvray.models import fused
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
@@ -97,6 +102,7 @@ def sample_device(
     positions: Sequence[int],
     max_top_logprobs: int = 0,
     with_logprobs: bool = True,
+    token_bitmask: TokenBitmask | None = None,
 ) -> DeviceSample:
     """Sample one token per row of `logits` [S, V] (float32; other dtypes are upcast),
     leaving the results on the logits' device (`.numpy()` copies them to the host).
@@ -105,7 +111,8 @@ def sample_device(
     and `positions[i]` the position of the token being sampled: together they fix the draw.
     `max_top_logprobs` > 0 also returns that many most likely tokens per row. Without
     `with_logprobs` (and no top logprobs) the chosen tokens' logprobs are not computed: that
-    saves a full-vocabulary reduction per row, and `logprobs` is None."""
+    saves a full-vocabulary reduction per row, and `logprobs` is None. `token_bitmask`
+    restricts its rows to the tokens their grammars allow (in place, before anything)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [S, V], got shape {tuple(logits.shape)}")
     num_rows, vocab = logits.shape
@@ -114,6 +121,10 @@ def sample_device(
             f"{num_rows} logits rows but {len(params)} params, {len(seeds)} seeds, "
             f"{len(positions)} positions"
         )
+    if token_bitmask is not None and not fused.mask_rows_(
+        logits, token_bitmask.bitmask, token_bitmask.indices
+    ):
+        token_bitmask.apply_(logits)
     # Greedy: the first (lowest) id of each row's maximum. Read in the logits' own dtype:
     # upcasting is exact, so it cannot change the winner, and the copy is skipped when no
     # row needs float32 below (all greedy, no logprobs).

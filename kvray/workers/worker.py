@@ -4,6 +4,11 @@ The worker mirrors the scheduler's page_table and token_pool (`PlanMirror`), app
 StepPlan to it, runs the model over the step's tokens, and samples. Every rank computes the
 same sampled tokens (same logits after the all-gather, same seeds), and writes them into
 its own token pool, so the next decode step needs no input ids.
+
+A constrained request's grammar matcher lives here too, next to the sampler
+(`kvray/grammar/matcher.py` says why): the worker masks its row's logits before sampling
+and advances the matcher on the token it samples, so the matcher never lags, whatever the
+scheduler's overlap.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from kvray.attention import create_attention_backend
 from kvray.attention.base import AttnMetadata
 from kvray.config import EngineConfig
 from kvray.core import StepPlan, StepResult, table_width
+from kvray.grammar import GrammarRows, compiler_for
 from kvray.kvcache import MHAKVCache, create_kvcache_pool
 from kvray.models import TPGroup, load_model
 from kvray.workers.host_memory import keep_large_allocations
@@ -73,6 +79,10 @@ class ModelWorker:
         width = table_width(spec.max_seq_len, spec.config.page_size)
         self.mirror = PlanMirror(spec.config.max_running_reqs, width, self.device)
         self.dummy_slot = spec.num_pages * spec.config.page_size  # first slot of the dummy page
+        # Constrained rows' grammar matchers, next to the sampler (kvray/grammar/matcher.py).
+        self.grammar = GrammarRows(
+            lambda: compiler_for(spec.model_path, cfg.vocab_size), spec.config.max_running_reqs
+        )
 
     @property
     def kv_buffer_shape(self) -> tuple[int, ...]:
@@ -88,6 +98,10 @@ class ModelWorker:
         stops once the tokens are on the host (a device sync), so it is the step's real
         compute time, not its launch time."""
         start = time.perf_counter()
+        for row in plan.freed_rows:
+            self.grammar.free(row)
+        for adm in plan.admitted:
+            self.grammar.admit(adm)
         batch = self.mirror.apply(plan)
         if batch is None:
             return None
@@ -116,6 +130,7 @@ class ModelWorker:
 
         params = self.mirror.sampling_of(plan)
         top_k = max((p.logprobs or 0) for p, _ in params)
+        sampled_rows = plan.sampled_rows.tolist()
         out = sample_device(
             logits,
             [p for p, _ in params],
@@ -123,9 +138,11 @@ class ModelWorker:
             plan.sampled_positions.tolist(),
             top_k,
             with_logprobs=any(p.logprobs is not None for p, _ in params),
+            token_bitmask=self.grammar.token_bitmask(sampled_rows),
         )
         self.mirror.record_sampled(plan, out.token_ids)
         host = out.numpy()
+        self.grammar.advance(sampled_rows, host.token_ids.tolist())
         return StepResult(
             plan.step_id,
             host.token_ids,
