@@ -50,3 +50,35 @@ def test_vllm_runs_the_same_workload() -> None:
     assert out["output_tokens"] == 13
     assert out["elapsed_s"] > 0 and out["version"]
     assert out["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+
+
+def test_serve_bench_start_names_missing_vllm_before_anything_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvray.bench import serve
+
+    monkeypatch.setenv("KVRAY_VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main(["--start", "kvray", "vllm"])
+    assert exit_info.value.code == 2
+    assert "no vLLM interpreter" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a server to start or one to reach, not both
+        serve.main(["--start", "kvray", "--url", "http://127.0.0.1:1/v1"])
+    assert exit_info.value.code == 2
+
+
+def test_serve_comparison_puts_kvray_first_and_divides_by_the_other() -> None:
+    from kvray.bench import serve
+
+    def report(ttft: float, itl: float, tps: float) -> dict[str, object]:
+        row = {"ttft_p50_s": ttft, "itl_p99_s": itl, "output_token_throughput": tps}
+        return {"summary": {"0.5": row, "2": {**row, "itl_p99_s": None}}}
+
+    rows = serve.compare({"vllm": report(0.2, 0.4, 50.0), "kvray": report(0.1, 0.1, 60.0)})
+    assert [r["rate"] for r in rows] == ["0.5", "2"]
+    first = rows[0]
+    assert first["kvray_ttft_p50_s"] == 0.1 and first["vllm_ttft_p50_s"] == 0.2
+    assert first["ttft_p50_s_ratio"] == pytest.approx(0.5)
+    assert first["itl_p99_s_ratio"] == pytest.approx(0.25)
+    assert first["output_token_throughput_ratio"] == pytest.approx(1.2)
+    assert rows[1]["itl_p99_s_ratio"] is None  # a missing figure is no ratio, not a crash

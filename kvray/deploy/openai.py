@@ -10,6 +10,7 @@ finish reasons, logprobs and usage, whole or chunk by chunk.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -129,12 +130,14 @@ class OpenAIServing:
             )
 
     async def _start(
-        self, model: str | None, prepare: Callable[[], Prepared]
+        self, model: str | None, prepare: Callable[[], Prepared], constrained: bool = False
     ) -> tuple[Prepared, Generation]:
         """Check the model, prepare the request, and start its choices; the engine's
-        rejection becomes the 400 naming the request's field."""
+        rejection becomes the 400 naming the request's field. A `constrained` request is
+        prepared on a thread: its grammar may compile (a first schema: up to seconds), and
+        the event loop keeps every other stream of this ingress moving meanwhile."""
         self._check_model(model)
-        prepared = prepare()
+        prepared = await asyncio.to_thread(prepare) if constrained else prepare()
         if self.metrics is not None and prepared.constrained:
             self.metrics.constrained_requests.inc()
         try:
@@ -151,7 +154,9 @@ class OpenAIServing:
     # -- /v1/completions ---------------------------------------------------------------------
 
     async def completions(self, req: CompletionRequest) -> Completion | ChunkStream[Completion]:
-        prepared, gen = await self._start(req.model, lambda: self.prepare.completion(req))
+        prepared, gen = await self._start(
+            req.model, lambda: self.prepare.completion(req), bool(req.constraints())
+        )
         head = self._head("cmpl")
         if req.stream:
             return ChunkStream(self._completion_chunks(req, prepared, gen, head), gen)
@@ -192,7 +197,9 @@ class OpenAIServing:
     async def chat(
         self, req: ChatCompletionRequest
     ) -> ChatCompletion | ChunkStream[ChatCompletionChunk]:
-        prepared, gen = await self._start(req.model, lambda: self.prepare.chat(req))
+        prepared, gen = await self._start(
+            req.model, lambda: self.prepare.chat(req), bool(req.constraints() or req.tools)
+        )
         head = self._head("chatcmpl")
         if req.stream:
             return ChunkStream(self._chat_chunks(req, prepared, gen, head), gen)
