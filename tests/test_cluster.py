@@ -409,12 +409,28 @@ def test_decode_plan_size_grows_with_batch_not_context() -> None:
 
 KILL_PROMPTS = _prompts(8, seed=11, lens=[9, 30, 17, 4, 26, 12, 21, 6])
 KILL_NEW = 40
+# Grammar-constrained requests in the same batch, greedy and seeded: a long pattern, so
+# they are still running when the worker dies, and each rebuilt worker's matcher must
+# re-advance over the tokens the request already has.
+KILL_CONSTRAINED = [
+    SamplingParams(
+        temperature=temperature,
+        seed=5,
+        max_tokens=KILL_NEW,
+        stop_token_ids=(2,),
+        structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,8}( [a-z]{3,8}){30,90}"),
+    )
+    for temperature in (0.0, 1.0)
+]
 
 
 @pytest.fixture(scope="module")
 def kill_refs(tiny) -> list[list[int]]:
+    """The in-process TP 1 outputs of KILL_PROMPTS (greedy), then of KILL_CONSTRAINED."""
     tp1 = tiny["kv2"]["tp1"]
-    return [o.token_ids for o in tp1.generate(KILL_PROMPTS, greedy(KILL_NEW))]
+    free = [o.token_ids for o in tp1.generate(KILL_PROMPTS, greedy(KILL_NEW))]
+    prompts = [KILL_PROMPTS[1]] * len(KILL_CONSTRAINED)
+    return free + [o.token_ids for o in tp1.generate(prompts, KILL_CONSTRAINED)]
 
 
 def collect(engine: Any, rids: list[int], out: dict[int, list[int]], done: set[int]) -> None:
@@ -425,7 +441,7 @@ def collect(engine: Any, rids: list[int], out: dict[int, list[int]], done: set[i
         if ev.token_id is not None:
             out[ev.rid].append(ev.token_id)
         if ev.finished:
-            assert ev.finish_reason.value == "length"
+            assert ev.finish_reason.value in ("length", "stop")  # stop: a grammar completed
             done.add(ev.rid)
 
 
@@ -443,10 +459,11 @@ def test_worker_killed_mid_generation(kvray_ray_cluster, tiny, kill_refs, compil
         engine = llm.engine
         # Undisturbed on this engine first.
         calm = [o.token_ids for o in llm.generate(KILL_PROMPTS, greedy(KILL_NEW))]
-        assert_same(calm, kill_refs, "TP 2 before the kill vs in-process TP 1")
+        assert_same(calm, kill_refs[: len(KILL_PROMPTS)], "TP 2 before the kill vs in-process TP 1")
         assert engine.stats()["recoveries"] == 0
 
         rids = [engine.submit(p, greedy(KILL_NEW)) for p in KILL_PROMPTS]
+        rids += [engine.submit(KILL_PROMPTS[1], sp) for sp in KILL_CONSTRAINED]
         out: dict[int, list[int]] = {r: [] for r in rids}
         done: set[int] = set()
         deadline = time.monotonic() + 60

@@ -123,3 +123,32 @@ def test_replies_that_are_not_calls_stay_text() -> None:
     stream = ReplyStream(mode())
     text, calls = stream.push("<tool_call>{not json</tool_call>", FinishReason.STOP)
     assert text == "<tool_call>{not json</tool_call>" and calls == [] and not stream.called
+
+
+LLAMA_REPLY = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}'
+MISTRAL_REPLY = '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]'
+
+
+@pytest.mark.parametrize("reply", [LLAMA_REPLY, MISTRAL_REPLY, LLAMA_REPLY[14:] + "\n"])
+@settings(max_examples=15, deadline=None, derandomize=True, database=None)
+@given(cut=st.integers(0, 60))
+def test_auto_reads_a_reply_that_is_wholly_json_calls(reply: str, cut: int) -> None:
+    """Llama 3.x / Mistral style: the whole reply is the call(s); streamed in two pieces,
+    nothing of it shows as content."""
+    content, calls = mode().reply(reply, FinishReason.STOP)
+    assert content is None and len(calls) == 1
+    assert calls[0].function.name in ("get_weather", "get_time")
+    assert json.loads(calls[0].function.arguments) in ({"city": "Lima"}, {})
+    stream = ReplyStream(mode())
+    first, none = stream.push(reply[:cut], None)
+    last, deltas = stream.push(reply[cut:], FinishReason.STOP)
+    assert first == "" and none == [] and last == "" and stream.called
+    assert deltas[0].function.name == calls[0].function.name
+
+
+def test_json_that_is_not_a_call_to_a_given_function_stays_text() -> None:
+    for text in ('{"name": "rm_rf", "arguments": {}}', '{"answer": 42}', "[1, 2]", "{oops"):
+        assert mode().reply(text, FinishReason.STOP) == (text, [])
+        stream = ReplyStream(mode())
+        shown, calls = stream.push(text, FinishReason.STOP)
+        assert shown == text and calls == []

@@ -8,7 +8,11 @@ the documented default for models whose template has no tool support:
     {"name": "<function name>", "arguments": {<arguments, a JSON object>}}
     </tool_call>
 
-one block per call. How each `tool_choice` is served:
+one block per call. In `auto` a reply is also read as calls when the whole of it is JSON
+calls, the way Llama 3.x and Mistral templates ask for them: one `{"name": ..., "arguments"
+(or "parameters"): {...}}` object or a list of them, optionally after `<|python_tag|>` or
+`[TOOL_CALLS]`, every name one of the request's functions. How each `tool_choice` is
+served:
 
 - `none` (or no tools): the tools stay out of the prompt; the reply is text.
 - `auto`: the tools go into the prompt (through the chat template when it renders
@@ -46,6 +50,9 @@ from kvray.deploy.protocol import (
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# What may open a reply that is wholly JSON calls (Llama 3.x, Mistral); such a reply is
+# held while streaming, and shown as text if it does not parse as calls.
+JSON_OPENERS = ("{", "[", "<|python_tag|>", "[TOOL_CALLS]")
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -165,7 +172,11 @@ class ToolMode:
                 return text, []
             return None, calls
         if self.kind == "auto":
-            return _parse_blocks(text)
+            content, calls = _parse_blocks(text)
+            if calls:
+                return content, calls
+            json_calls = _parse_json_calls(text, {f.name for f in self.functions})
+            return (None, json_calls) if json_calls else (text, [])
         return text, []
 
 
@@ -185,6 +196,26 @@ def _parse_blocks(text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     content = _BLOCK.sub("", text).strip()
     return content or None, calls
+
+
+def _parse_json_calls(text: str, names: set[str]) -> list[ToolCall]:
+    """The calls of a reply that is wholly JSON calls to functions in `names` (else [])."""
+    body = text.strip()
+    for prefix in JSON_OPENERS[2:]:
+        body = body.removeprefix(prefix).lstrip()
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return []
+    calls = []
+    for item in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return []
+        args = item.get("arguments", item.get("parameters", {}))
+        if not isinstance(args, dict | str):
+            return []
+        calls.append(_call(str(item["name"]), args if isinstance(args, str) else json.dumps(args)))
+    return calls
 
 
 def _message_text(m: ChatMessage) -> str:
@@ -255,7 +286,16 @@ class ReplyStream:
 
     def _safe_end(self) -> int:
         """Where the text that may be shown ends: before a `<tool_call>` (then held from
-        there), or before a tail that could be its beginning."""
+        there), or before a tail that could be its beginning. An `auto` reply that opens
+        like JSON calls (`JSON_OPENERS`) is held whole; until its first visible text says,
+        nothing shows."""
+        if self._shown == 0 and self.mode.kind == "auto":
+            head = self.text.lstrip()
+            if any(head.startswith(o) for o in JSON_OPENERS):
+                self._held = True
+                return 0
+            if not head or any(o.startswith(head) for o in JSON_OPENERS):
+                return 0
         start = self.text.find(OPEN, self._shown)
         if start >= 0:
             self._held = True
