@@ -38,8 +38,8 @@ class LLM:
     this process (unless `use_ray`) and never imports Ray; larger TP sizes start an
     `Engine` on Ray (joining `address` / RAY_ADDRESS, or a local cluster, dispatching steps
     through compiled graphs on GPUs and plain actor calls on CPU, unless `compiled` says
-    which). Call `shutdown()` (or use the LLM as
-    a context manager) to release a Ray engine's actors.
+    which). Call `shutdown()` (or use the LLM as a context manager) to release a Ray
+    engine's actors.
 
     `skip_tokenizer_init` loads no tokenizer (a checkpoint may have none, e.g. random
     weights built for a benchmark): prompts must then be token ids, outputs carry token ids
