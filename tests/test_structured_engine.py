@@ -23,11 +23,11 @@ from engine_checks import TINY_VOCAB, new_llm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvray.cluster.engine_core import EngineCore
-from kvray.cluster.executor import LocalExecutor
+from kvray.cluster.engine_core import MAX_REPLAYS, EngineCore
+from kvray.cluster.executor import LocalExecutor, WorkerFailure
 from kvray.cluster.spec import EngineSpec
 from kvray.config import EngineConfig
-from kvray.core import FinishReason, SamplingParams, StructuredOutputsParams
+from kvray.core import FinishReason, SamplingParams, StructuredOutputsParams, TokenEvent
 from kvray.grammar import GrammarCompiler, GrammarError
 
 pytestmark = pytest.mark.usefixtures("engine_invariants")
@@ -280,3 +280,86 @@ def test_the_property_test_retracted_and_replayed(small_engine: EngineCore) -> N
     """(Runs after it, on the same engine.) The pool was small enough to force retraction."""
     assert small_engine.scheduler.stats.num_preemptions > 0
     assert small_engine.recoveries > 0
+
+
+class _PoisonedExecutor(LocalExecutor):
+    """A worker that fails every step that samples for request `poisoned` (a deterministic
+    fault: a replay fails the same way)."""
+
+    poisoned: int | None = None
+
+    def __init__(self, spec: Any) -> None:
+        super().__init__(spec)
+        self.rid_of: dict[int, int] = {}  # row -> request, from the plans' admissions
+
+    def submit(self, plan: Any) -> Any:
+        self.rid_of.update({adm.row: adm.rid for adm in plan.admitted})
+        if any(self.rid_of.get(int(r)) == self.poisoned for r in plan.rows[plan.sample]):
+            raise WorkerFailure("poisoned request")
+        return super().submit(plan)
+
+
+def test_a_request_that_fails_its_worker_every_time_ends_with_an_error(
+    tiny_checkpoints: dict,
+) -> None:
+    """The engine rebuilds and replays MAX_REPLAYS times, then ends the request with an
+    error instead of rebuilding forever (a request batched with it and stalled as long
+    shares its fate); then it serves the next request, and the pages balance."""
+    path, _ = tiny_checkpoints["llama"]
+    config = EngineConfig(model=str(path), dtype="float32", page_size=4, num_pages=64)
+    spec = EngineSpec.resolve(config, progress=False)
+    executor = _PoisonedExecutor(spec.worker_spec("cpu"))
+    engine = EngineCore(spec, executor, max_inflight=2)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    bad = engine.add_request(PROMPT[:5], sp)
+    executor.poisoned = bad
+    events: list[TokenEvent] = []
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        events += engine.step()
+    assert not engine.has_work
+    (end,) = [ev for ev in events if ev.rid == bad]
+    assert end.finish_reason is FinishReason.ABORT and f"{MAX_REPLAYS} times" in (end.error or "")
+    assert engine.recoveries == MAX_REPLAYS
+    engine.check_integrity()
+    assert engine.is_idle_and_empty()
+    after = engine.add_request(PROMPT, sp)
+    events = []
+    while engine.has_work:
+        events += engine.step()
+    assert [ev.finish_reason for ev in events if ev.rid == after and ev.finished] == [
+        FinishReason.LENGTH
+    ]
+    engine.check_integrity()
+
+
+def test_a_token_the_matcher_refuses_ends_the_row_not_the_worker(tiny_checkpoints: dict) -> None:
+    """A row whose sampled token its matcher refuses (possible only when no token was
+    allowed) is failed like an uncompilable one: its next mask allows only its stop ids."""
+    from kvray.core import Admission
+    from kvray.grammar import GrammarRows
+
+    path, _ = tiny_checkpoints["llama"]
+    compiler = GrammarCompiler(_tokenizer(path), TINY_VOCAB)
+    rows = GrammarRows(lambda: compiler, max_rows=4)
+    sp = SamplingParams(
+        stop_token_ids=(STOP,), structured_outputs=StructuredOutputsParams(regex="[0-9]+")
+    )
+    rows.admit(Admission(row=1, rid=7, sampling=sp, seed=0, stop_ids=(STOP,)))
+    mask = rows.token_bitmask([1])
+    assert mask is not None
+    allowed = _allowed_ids(mask.bitmask[0])
+    refused = next(t for t in range(TINY_VOCAB) if t not in allowed)
+    rows.advance([1], [refused])  # no exception
+    after = rows.token_bitmask([1])
+    assert after is not None and _allowed_ids(after.bitmask[0]) == {STOP}
+
+
+def _allowed_ids(words: torch.Tensor) -> set[int]:
+    return {
+        32 * w + b
+        for w, word in enumerate(words.tolist())
+        for b in range(32)
+        if (word >> b) & 1 and 32 * w + b < TINY_VOCAB
+    }

@@ -9,7 +9,11 @@ It is thread safe: a loop thread calls `step()` while request threads call `add_
 
 When a worker is lost, the executor rebuilds the TP group and every unfinished request is
 replayed from the tokens the scheduler holds (prompt + tokens generated so far, same
-seed): clients see a delay, not an error. If the group cannot be rebuilt within
+seed): clients see a delay, not an error. A request caught in `MAX_REPLAYS` rebuilds in a
+row with no new token in between ends with an error instead of being replayed again: a
+request that makes its worker fail every time (a deterministic fault) must not keep the
+engine rebuilding forever. (Requests batched with it share its fate once they, too, make
+no progress between the failures.) If the group cannot be rebuilt within
 `recovery_timeout_s`, those requests end with an error and the engine refuses new work.
 """
 
@@ -27,6 +31,8 @@ from kvray.cluster.executor import Executor, WorkerFailure
 from kvray.cluster.spec import EngineSpec
 from kvray.core import FinishReason, SamplingParams, StepPlan, TokenEvent
 from kvray.scheduler import Scheduler, SchedulerStats
+
+MAX_REPLAYS = 3  # rebuilds in a row, with no new token between them, a request may live through
 
 
 class EngineFailed(RuntimeError):
@@ -50,6 +56,8 @@ class EngineCore:
         self._lock = threading.RLock()
         self._rids = itertools.count()
         self.recoveries = 0
+        # rid -> (rebuilds in a row without a new token, its output length at the last one)
+        self._replays: dict[int, tuple[int, int]] = {}
         self.failed: str | None = None
 
     def _new_scheduler(self) -> Scheduler:
@@ -129,10 +137,28 @@ class EngineCore:
             self.scheduler = self._new_scheduler()
             self.scheduler.stats = old.stats  # counters stay monotonic across a rebuild
             self.scheduler.budget.cost = old.budget.cost  # same machine: keep what it learned
+            replays = {}
+            for r in live:
+                count, had = self._replays.get(r.rid, (0, -1))
+                replays[r.rid] = (count + 1 if len(r.output_ids) == had else 1, len(r.output_ids))
+            self._replays = replays
+            ended = []
             for req in live:
-                self.scheduler.readmit(req)
+                if self._replays[req.rid][0] < MAX_REPLAYS:
+                    self.scheduler.readmit(req)
+                    continue
+                del self._replays[req.rid]
+                ended.append(
+                    TokenEvent(
+                        req.rid,
+                        None,
+                        finish_reason=FinishReason.ABORT,
+                        error=f"the engine's worker failed {MAX_REPLAYS} times while serving "
+                        "this request; it is not retried again",
+                    )
+                )
             self.recoveries += 1
-            return []
+            return ended
 
     def warm_up(self, num_decodes: int = 8, max_tokens: int = 4) -> None:
         """Run throwaway requests through the whole path once: one full prefill chunk, then

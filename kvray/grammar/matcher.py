@@ -26,6 +26,7 @@ its request ends at once instead of running unconstrained or failing the worker.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ from kvray.grammar.compiler import GrammarCompiler, GrammarError
 
 if TYPE_CHECKING:
     import xgrammar
+
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,15 +120,26 @@ class GrammarRows:
                 return None
             row.matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=list(row.stop_ids))
             for t in row.replay:
+                if row.failed:
+                    break
                 self._accept(row, t)
         return row.matcher
 
     def _accept(self, row: _Row, token: int) -> None:
+        """The matcher takes `token`. One it refuses (a token its mask did not allow, as
+        when no token was allowed at all and the sampler still had to pick one) puts the
+        row out of step with its grammar: the row is failed like one whose grammar did not
+        compile, so its request ends at its next token (only stop tokens are allowed).
+        Raising instead would fail the worker, and a replay would fail it the same way."""
+        assert row.matcher is not None
         if not row.matcher.accept_token(token):
-            raise RuntimeError(
-                f"grammar matcher refused token {token} after {len(row.accepted)} tokens: "
-                "its mask allowed it, so the matcher and the request are out of step"
+            _log.warning(
+                "grammar matcher refused token %d after %d tokens; ending the request",
+                token,
+                len(row.accepted),
             )
+            row.matcher, row.failed = None, True
+            return
         row.accepted.append(token)
 
     def token_bitmask(self, rows: Sequence[int]) -> TokenBitmask | None:
