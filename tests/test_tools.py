@@ -147,7 +147,13 @@ def test_auto_reads_a_reply_that_is_wholly_json_calls(reply: str, cut: int) -> N
 
 
 def test_json_that_is_not_a_call_to_a_given_function_stays_text() -> None:
-    for text in ('{"name": "rm_rf", "arguments": {}}', '{"answer": 42}', "[1, 2]", "{oops"):
+    for text in (
+        '{"name": "rm_rf", "arguments": {}}',
+        '{"answer": 42}',
+        "[1, 2]",
+        "{oops",
+        '{"name": ["x"]}',
+    ):
         assert mode().reply(text, FinishReason.STOP) == (text, [])
         stream = ReplyStream(mode())
         shown, calls = stream.push(text, FinishReason.STOP)

@@ -209,7 +209,9 @@ def _parse_json_calls(text: str, names: set[str]) -> list[ToolCall]:
         return []
     calls = []
     for item in parsed if isinstance(parsed, list) else [parsed]:
-        if not isinstance(item, dict) or item.get("name") not in names:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return []
+        if item["name"] not in names:
             return []
         args = item.get("arguments", item.get("parameters", {}))
         if not isinstance(args, dict | str):
