@@ -137,17 +137,16 @@ class EngineCore:
             self.scheduler = self._new_scheduler()
             self.scheduler.stats = old.stats  # counters stay monotonic across a rebuild
             self.scheduler.budget.cost = old.budget.cost  # same machine: keep what it learned
-            replays = {}
-            for r in live:
-                count, had = self._replays.get(r.rid, (0, -1))
-                replays[r.rid] = (count + 1 if len(r.output_ids) == had else 1, len(r.output_ids))
-            self._replays = replays
+            replays: dict[int, tuple[int, int]] = {}
             ended = []
             for req in live:
-                if self._replays[req.rid][0] < MAX_REPLAYS:
+                count, had = self._replays.get(req.rid, (0, -1))
+                n = len(req.output_ids)
+                count = count + 1 if n == had else 1
+                if count < MAX_REPLAYS:
+                    replays[req.rid] = (count, n)
                     self.scheduler.readmit(req)
                     continue
-                del self._replays[req.rid]
                 ended.append(
                     TokenEvent(
                         req.rid,
@@ -157,6 +156,7 @@ class EngineCore:
                         "this request; it is not retried again",
                     )
                 )
+            self._replays = replays
             self.recoveries += 1
             return ended
 
