@@ -113,6 +113,7 @@ class Scheduler:
         if rid in self.reqs:
             raise RequestRejected(f"request id {rid} is already in use", "rid")
         self._check_prompt(input_ids, sampling.max_tokens)
+        self._check_stop_ids(sampling.stop_token_ids)
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop |= self.eos_token_ids
@@ -165,6 +166,18 @@ class Scheduler:
                 f"exceeds {where}; shorten the prompt or lower max_tokens",
                 "max_tokens",
             )
+
+    def _check_stop_ids(self, stop_ids: Sequence[int]) -> None:
+        """Stop token ids are token ids of this model: one outside its vocabulary could
+        never be sampled (and a grammar matcher refuses it outright)."""
+        if self.vocab_size is None:
+            return
+        for t in stop_ids:
+            if not 0 <= t < self.vocab_size:
+                raise RequestRejected(
+                    f"stop token id {t} is not in this model's vocabulary [0, {self.vocab_size})",
+                    "stop_token_ids",
+                )
 
     def readmit(self, req: Req) -> None:
         """Queue a request carried over from another scheduler (the workers were rebuilt

@@ -465,6 +465,17 @@ MALFORMED: list[tuple[str, str, str, Any, int, str | None]] = [
     ),
     ("stream-dict", "POST", _CMPL, _cmpl(stream={"a": 1}), 400, "stream"),
     ("stop-token-ids-str", "POST", _CMPL, _cmpl(stop_token_ids=["a"]), 400, "stop_token_ids"),
+    ("stop-token-ids-neg", "POST", _CMPL, _cmpl(stop_token_ids=[-3]), 400, "stop_token_ids"),
+    (
+        # a grammar matcher refuses an out-of-vocabulary stop token: this once failed the
+        # worker on every replay (a 503) instead of being a 400
+        "stop-token-ids-out-of-vocab-constrained",
+        "POST",
+        _CHAT,
+        _chat(stop_token_ids=[10**9], guided_choice=["a", "b"]),
+        400,
+        "stop_token_ids",
+    ),
     ("stream-too-long", "POST", _CMPL, _cmpl(stream=True, max_tokens=CONTEXT), 400, "max_tokens"),
     ("stream-unknown-model", "POST", _CHAT, _chat(stream=True, model="gpt-4"), 404, "model"),
     ("unknown-route", "POST", "/v1/embeddings", _cmpl(), 404, None),
