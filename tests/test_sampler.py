@@ -75,6 +75,8 @@ def test_greedy_ignores_seed_and_position() -> None:
         SamplingParams(temperature=1.5, top_k=1),
         SamplingParams(temperature=1.0, top_p=1e-6),
         SamplingParams(temperature=2.0, top_p=1e-6, top_k=10),
+        SamplingParams(temperature=1.0, top_p=5e-324),  # 0 in float32: still keeps the top
+        SamplingParams(temperature=1.0, top_p=1e-45, top_k=1000),
         SamplingParams(temperature=1.0, min_p=1.0),
     ],
 )

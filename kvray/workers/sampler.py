@@ -253,7 +253,9 @@ def _keep_mask(
     log_norm = torch.where(top_k >= vocab, lse, torch.logsumexp(masked, dim=-1))
     probs = torch.exp(masked - log_norm[:, None])
     mass_before = probs.cumsum(dim=-1) - probs
-    return keep & ~((mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None])
+    # The first ranked token always survives top_p, even one that rounds to 0 in float32.
+    cut = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None] & (rank[None, :] > 0)
+    return keep & ~cut
 
 
 def _inverse_cdf(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
