@@ -214,3 +214,40 @@ def _ids_of(handle) -> list[int]:
         parts.append(node.key)
         node = node.parent
     return [t for key in reversed(parts) for t in key]
+
+
+def test_digest_names_every_cached_page_and_followers_catch_up():
+    from kvray.kvcache.digest import DigestFollower, PrefixDigest, page_keys
+
+    ps = 4
+    cache = RadixPrefixCache(ps)
+    follower, late = DigestFollower(), DigestFollower()
+    follower.apply(cache.digest.since(follower.epoch, follower.seq))  # a snapshot: empty
+    a = list(range(100, 113))  # 3 whole pages + 1 token
+    b = a[:8] + [7, 7, 7, 7, 9]  # shares 2 pages with a, then its own
+    cache.insert_prefix(a, np.arange(len(a), dtype=np.int32) + 16)
+    cache.insert_prefix(b, np.arange(len(b), dtype=np.int32) + 64)
+    cache.check_integrity()  # the tree's page keys are its digest
+    keys_a, keys_b = page_keys(a, ps), page_keys(b, ps)
+    assert keys_a[:2] == keys_b[:2] and keys_a[2] != keys_b[2]
+    assert cache.digest.keys == set(keys_a) | set(keys_b)
+    follower.apply(cache.digest.since(follower.epoch, follower.seq))
+    assert follower.matched_pages(keys_a) == 3 and follower.matched_pages(keys_b) == 3
+    assert follower.matched_pages(page_keys([1, 2, 3, 4] + a, ps)) == 0  # prefixes only
+    # evict a's own page (the least recently used leaf): followers see it go
+    cache.evict(ps)
+    cache.check_integrity()
+    delta = cache.digest.since(follower.epoch, follower.seq)
+    assert not delta.snapshot and delta.removed == [keys_a[2]] and not delta.added
+    follower.apply(delta)
+    assert follower.matched_pages(keys_a) == 2 and follower.keys == cache.digest.keys
+    # a follower of another epoch (or too far behind a bounded log) gets a snapshot
+    late.apply(cache.digest.since(late.epoch, 0))
+    assert late.keys == cache.digest.keys
+    small = PrefixDigest(ps, max_log=2)
+    small.add([1, 2, 3])
+    assert small.since(small.epoch, 0).snapshot and small.since(small.epoch, 3).added == []
+    small.remove([2])
+    small.add([2])  # removed then added again: its net change is "added"
+    delta = small.since(small.epoch, 3)
+    assert (delta.added, delta.removed) == ([2], [])

@@ -30,6 +30,7 @@ import numpy as np
 from kvray.cluster.executor import Executor, WorkerFailure
 from kvray.cluster.spec import EngineSpec
 from kvray.core import FinishReason, SamplingParams, StepPlan, TokenEvent
+from kvray.kvcache.digest import DigestDelta
 from kvray.scheduler import Scheduler, SchedulerStats
 
 MAX_REPLAYS = 3  # rebuilds in a row, with no new token between them, a request may live through
@@ -200,6 +201,19 @@ class EngineCore:
     def flush_cache(self) -> None:
         with self._lock:
             self.scheduler.flush_cache()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests running or waiting."""
+        with self._lock:
+            return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def prefix_digest(self, epoch: int, seq: int) -> DigestDelta | None:
+        """The changes to the prefix cache's digest after (epoch, seq) (kvcache.digest);
+        None for a cache policy without one. A rebuild's new scheduler is a new epoch."""
+        with self._lock:
+            digest = self.scheduler.cache.prefix_cache.digest
+            return None if digest is None else digest.since(epoch, seq)
 
     def is_idle_and_empty(self) -> bool:
         with self._lock:

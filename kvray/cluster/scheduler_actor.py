@@ -31,6 +31,7 @@ from kvray.cluster.engine_core import EngineCore, EngineFailed
 from kvray.cluster.ray_executor import RayExecutor
 from kvray.cluster.spec import EngineSpec
 from kvray.core import FinishReason, SamplingParams, TokenEvent
+from kvray.kvcache.digest import DigestDelta
 
 
 class Phase(enum.Enum):
@@ -104,6 +105,9 @@ class SchedulerActor:
         self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
         # A live request's end, set (and dropped) when its finishing event is delivered.
         self._ended: dict[int, asyncio.Event] = {}
+        # Set after each step that delivered events (the cache may have changed): wakes
+        # the routers waiting in `prefix_digest`.
+        self._stepped = asyncio.Event()
 
     @property
     def core(self) -> EngineCore:
@@ -124,6 +128,7 @@ class SchedulerActor:
         self.phase = Phase.SERVING
 
     def _deliver(self, events: list[TokenEvent]) -> None:
+        self._stepped.set()
         for ev in events:
             q = self._queues.get(ev.rid)
             if q is not None:
@@ -148,6 +153,7 @@ class SchedulerActor:
             raise
         assert self._steps is not None  # SERVING: `core` answered
         self._steps.wake()
+        self._stepped.set()  # the load changed
         return rid
 
     async def abort(self, rid: int, reason: str = "abort") -> TokenEvent | None:
@@ -221,6 +227,31 @@ class SchedulerActor:
 
     async def flush_cache(self) -> None:
         self.core.flush_cache()
+        self._stepped.set()
+
+    async def prefix_digest(
+        self, epoch: int, seq: int, load: int = -1, wait_s: float = 0.0
+    ) -> tuple[DigestDelta | None, int]:
+        """(the prefix cache's changes after (epoch, seq) (kvcache.digest), the requests
+        running or waiting here), for a router. A long poll: while neither has changed
+        (from `load`), waits up to `wait_s` for a step to change them, so a router learns
+        of a finished request's prefix within a step without polling fast. The delta is
+        None for a cache policy that keeps no digest."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            core = self.core
+            delta = core.prefix_digest(epoch, seq)
+            now = core.num_requests
+            changed = delta is None or delta.snapshot or delta.seq != seq
+            left = deadline - loop.time()
+            if changed or now != load or left <= 0:
+                return delta, now
+            self._stepped.clear()
+            try:
+                await asyncio.wait_for(self._stepped.wait(), left)
+            except TimeoutError:
+                pass
 
     async def is_idle_and_empty(self) -> bool:
         return self.core.is_idle_and_empty()

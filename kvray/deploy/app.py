@@ -1,13 +1,12 @@
 """The Ray Serve application: an ingress deployment (the OpenAI API) in front of an engine
 deployment whose replicas each own one Engine (a SchedulerActor and its TP workers in the
-replica's placement group). `--replicas N` is N data-parallel engines; Serve's router sends
-each request to the replica with fewer requests in flight.
+replica's placement group). `--replicas N` is N data-parallel engines; the deployment's request
+router (kvray.deploy.router, `--router`) picks the replica of each request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,9 +21,18 @@ from starlette.types import ASGIApp
 from kvray.cluster.engine import ACTOR_NAMESPACE
 from kvray.core import RequestRejected, SamplingParams, TokenEvent
 from kvray.deploy.generation import EngineLimits
+from kvray.deploy.protocol import APIError
 from kvray.deploy.settings import ServeConfig
 
 SCHEDULER_PREFIX = "kvray-scheduler-"
+
+
+SUBMIT_TRIES = 3  # a request whose engine was gone before it started goes elsewhere
+
+
+class EngineGone(RuntimeError):
+    """The engine replica's scheduler is gone: the request never started there, so it
+    can be routed again."""
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -39,8 +47,11 @@ class EngineDeployment:
     def __init__(self, settings: dict[str, Any]) -> None:
         from kvray.cluster.engine import Engine  # noqa: I001 (torch loads here, not at import)
 
+        from kvray.deploy.router import scheduler_name
+
         s = ServeConfig(**settings)
-        self.name = f"{SCHEDULER_PREFIX}{s.app_name}-{uuid.uuid4().hex[:12]}"
+        # Named after this replica, so the prefix router finds its scheduler.
+        self.name = scheduler_name(s.app_name, serve.get_replica_context().replica_tag)
         self.engine = Engine(
             s.engine_config,
             compiled=s.compiled,
@@ -66,6 +77,8 @@ class EngineDeployment:
         ingress that went away), and the request's pages are freed at once."""
         try:
             rid = await self.actor.submit.remote(input_ids, sampling)
+        except ray.exceptions.RayActorError:
+            raise EngineGone(self.name) from None
         except Exception as e:
             raise _unwrap(e) from None
         yield (self.name, rid)
@@ -133,15 +146,28 @@ class ServeEngineClient:
         self._actors: dict[str, ActorHandle] = {}
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> _ServeStream:
-        gen = self._handle.generate.remote(input_ids, sampling)
-        try:
-            name, rid = await gen.__anext__()
-        except BaseException as e:
-            gen.cancel()  # if it was queued meanwhile, the engine aborts it
-            err = _unwrap(e)
-            if isinstance(err, RequestRejected):
-                raise err from None
-            raise
+        for attempt in range(SUBMIT_TRIES):
+            gen = self._handle.generate.remote(input_ids, sampling)
+            try:
+                name, rid = await gen.__anext__()
+                break
+            except BaseException as e:
+                gen.cancel()  # if it was queued meanwhile, the engine aborts it
+                err = _unwrap(e)
+                if isinstance(err, RequestRejected):
+                    raise err from None
+                if isinstance(err, EngineGone) and attempt + 1 < SUBMIT_TRIES:
+                    # Nothing started: the router leaves a silent engine out once it
+                    # notices (its digest poll fails), so a retry goes elsewhere.
+                    await asyncio.sleep(0.05 * (attempt + 1))
+                    continue
+                if isinstance(err, EngineGone):
+                    raise APIError(
+                        503,
+                        f"no engine could take the request ({SUBMIT_TRIES} were gone)",
+                        type_="ServiceUnavailableError",
+                    ) from None
+                raise
         actor = self._actors.get(name)
         if actor is None:
             actor = self._actors[name] = ray.get_actor(name, namespace=ACTOR_NAMESPACE)
@@ -175,7 +201,7 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]) -> None:
         from kvray.cluster.spec import resolve_model_path
         from kvray.deploy.api import ServerState
-        from kvray.deploy.metrics import EngineCollector, RequestMetrics
+        from kvray.deploy.metrics import EngineCollector, RequestMetrics, RouterCollector
         from kvray.text import load_tokenizer
 
         s = ServeConfig(**settings)
@@ -188,6 +214,8 @@ class Ingress:
         self.model_name = name
         self.metrics = RequestMetrics(self.registry, name)
         self.registry.register(EngineCollector(name, lambda: engine_stats(s.app_name)))
+        if s.routing == "prefix":
+            self.registry.register(RouterCollector(name))
         self.state = ServerState()
 
     async def _healthy(self) -> bool:
@@ -262,6 +290,11 @@ def live_placement_groups(prefix: str = "kvray-pg-") -> int:
 
 def build_app(settings: ServeConfig) -> Application:
     """The app for resolved settings (`ServeConfig.resolved`), as Serve replicas get it."""
+    from kvray.deploy.router import router_config
+
     raw = settings.model_dump()
-    engine = EngineDeployment.options(num_replicas=settings.replicas).bind(raw)
+    router = router_config(settings.routing, settings.app_name, settings.router_load_margin)
+    engine = EngineDeployment.options(
+        num_replicas=settings.replicas, request_router_config=router
+    ).bind(raw)
     return Ingress.bind(engine, raw)

@@ -16,6 +16,7 @@ averaged).
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -192,3 +193,42 @@ class EngineCollector(Collector):
             "num_preemptions", "Requests retracted for lack of KV pages.", total("num_preemptions")
         )
         yield counter("num_aborted_requests", "Requests aborted.", total("num_aborted"))
+
+
+# The prefix router's decisions in this process (kvray.deploy.router): "prefix" (the
+# longest match won), "load" (a match lost to the load margin), "no_match" (no replica held
+# any page); and the prompt tokens routed ("tokens"), of which the chosen replicas were
+# known to hold "matched_tokens".
+ROUTER_STATS: collections.Counter[str] = collections.Counter()
+
+
+class RouterCollector(Collector):
+    """The prefix router's decisions in this process (`ROUTER_STATS`)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = ROUTER_STATS
+        labels = [self.model_name]
+        decisions = CounterMetricFamily(
+            "kvray:router_decisions",
+            "Requests routed by the prefix router, by what decided: prefix (the replica "
+            "holding the longest prefix), load (it was too loaded: the least loaded one), "
+            "no_match (no replica held any of it: the least loaded one).",
+            labels=["model_name", "decision"],
+        )
+        for decision in ("prefix", "load", "no_match"):
+            decisions.add_metric([*labels, decision], float(stats.get(decision, 0)))
+        yield decisions
+        for name, key, doc in (
+            ("router_prompt_tokens", "tokens", "Prompt tokens of the requests routed."),
+            (
+                "router_matched_tokens",
+                "matched_tokens",
+                "Prompt tokens the chosen replica's prefix cache held when it was chosen.",
+            ),
+        ):
+            c = CounterMetricFamily(f"kvray:{name}", doc, labels=["model_name"])
+            c.add_metric(labels, float(stats.get(key, 0)))
+            yield c

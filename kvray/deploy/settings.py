@@ -40,6 +40,19 @@ class ServeConfig(EngineConfig):
         description="the `model` clients send; None: the checkpoint directory's name",
     )
     replicas: int = Field(default=1, gt=0, description="data-parallel engines behind Serve")
+    router: Literal["prefix", "pow2", "round-robin"] | None = Field(
+        default=None,
+        description="how requests pick an engine replica: prefix (the replica whose prefix "
+        "cache holds the most of the prompt, unless it is loaded past router_load_margin), "
+        "pow2 (Serve's power of two choices) or round-robin; unset: prefix with more than "
+        "one replica",
+    )
+    router_load_margin: int = Field(
+        default=4,
+        ge=0,
+        description="prefix routing sends a request to the least loaded replica instead "
+        "once the best-matching one has more than this many more requests in flight",
+    )
     app_name: str = Field(default="kvray", min_length=1, description="the Serve app's name")
     api_key: str | None = Field(
         default=None,
@@ -85,6 +98,13 @@ class ServeConfig(EngineConfig):
     def _blank_is_unset(cls, value: object) -> object:
         """An empty string (e.g. an unset Helm value) means the default."""
         return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def routing(self) -> str:
+        """The router in effect (`router`, or its default for this many replicas)."""
+        if self.router is not None:
+            return self.router
+        return "prefix" if self.replicas > 1 else "pow2"
 
     @property
     def engine_config(self) -> EngineConfig:

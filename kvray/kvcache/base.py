@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvray.kvcache.digest import PrefixDigest
+
 
 def div_even(a: int, b: int, allow_replicate: bool = False) -> int:
     """Split `a` items evenly over `b` ranks.
@@ -89,6 +91,8 @@ class BasePrefixCache(ABC):
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
+        # The whole-page prefixes held, for prefix-aware routing (None: never matches).
+        self.digest: PrefixDigest | None = None
 
     @abstractmethod
     def match_prefix(self, input_ids: Sequence[int]) -> BaseCacheHandle:

@@ -7,7 +7,9 @@ Invariants (checked by `check_integrity`):
 - locking a handle adds a reference to every node on its path to the root, so a node's
   ref_count is at least any child's: an unlocked node has an unlocked subtree, and
   evicting unlocked leaves repeatedly can reach every evictable slot;
-- `evictable_size` / `protected_size` are the slots of unlocked / locked nodes.
+- `evictable_size` / `protected_size` are the slots of unlocked / locked nodes;
+- `node.pages` holds the chain key (kvcache.digest) of each page of the node, and
+  `digest.keys` is the union of every node's: the whole-page prefixes the tree holds.
 """
 
 from __future__ import annotations
@@ -19,12 +21,22 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from kvray.kvcache.base import BaseCacheHandle, BasePrefixCache, SizeInfo
+from kvray.kvcache.digest import ROOT_KEY, PrefixDigest, page_keys
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
 
 class RadixTreeNode:
-    __slots__ = ("key", "value", "children", "parent", "ref_count", "last_access", "uid")
+    __slots__ = (
+        "key",
+        "value",
+        "pages",
+        "children",
+        "parent",
+        "ref_count",
+        "last_access",
+        "uid",
+    )
     _uids = itertools.count()
 
     def __init__(
@@ -32,6 +44,7 @@ class RadixTreeNode:
     ) -> None:
         self.key = key
         self.value = value
+        self.pages: list[int] = []  # chain key of each of its pages (kvcache.digest)
         self.children: dict[tuple[int, ...], RadixTreeNode] = {}
         self.parent = parent
         self.ref_count = 0
@@ -67,6 +80,7 @@ class RadixCacheHandle(BaseCacheHandle):
 class RadixPrefixCache(BasePrefixCache):
     def __init__(self, page_size: int) -> None:
         super().__init__(page_size)
+        self.digest = PrefixDigest(page_size)
         self.root = RadixTreeNode((), _EMPTY, None)
         self.root.ref_count = 1  # the root is never evicted
         self._evictable = 0
@@ -113,6 +127,7 @@ class RadixPrefixCache(BasePrefixCache):
         upper = RadixTreeNode(node.key[:m], node.value[:m], parent)
         upper.ref_count = node.ref_count
         upper.last_access = node.last_access
+        upper.pages, node.pages = node.pages[: m // ps], node.pages[m // ps :]
         parent.children[upper.key[:ps]] = upper
         node.key, node.value, node.parent = node.key[m:], node.value[m:], upper
         upper.children[node.key[:ps]] = node
@@ -137,6 +152,9 @@ class RadixPrefixCache(BasePrefixCache):
                 ids[prefix_len:], np.array(indices[prefix_len:n], dtype=np.int32), node
             )
             new.last_access = self._clock
+            parent_key = node.pages[-1] if node.pages else ROOT_KEY
+            new.pages = page_keys(ids, self.page_size, prefix_len, parent_key)
+            self.digest.add(new.pages)
             node.children[new.key[: self.page_size]] = new
             self._evictable += n - prefix_len
             node = new
@@ -179,6 +197,7 @@ class RadixPrefixCache(BasePrefixCache):
             assert parent is not None
             del parent.children[node.key[: self.page_size]]
             node.parent = None
+            self.digest.remove(node.pages)
             evicted.append(node.value)
             total += len(node)
             self._evictable -= len(node)
@@ -227,5 +246,13 @@ class RadixPrefixCache(BasePrefixCache):
                 assert (pages[:, 0] % ps == 0).all(), "page does not start at a page slot"
                 assert (pages - pages[:, :1] == np.arange(ps)).all(), "page slots not contiguous"
         assert (evictable, protected) == (self._evictable, self._protected), "size drift"
+        keys: set[int] = set()
+        for node in self._nodes():  # each page named by its whole prefix (kvcache.digest)
+            parent = node.parent
+            assert parent is not None
+            parent_key = parent.pages[-1] if parent.pages else ROOT_KEY
+            assert node.pages == page_keys(node.key, ps, 0, parent_key), "page keys drift"
+            keys.update(node.pages)
+        assert keys == self.digest.keys, "digest differs from the tree"
         slots = self.all_indices()
         assert len(np.unique(slots)) == len(slots), "a slot is held twice by the cache"

@@ -1,0 +1,241 @@
+"""Request routers of the engine deployment (Ray Serve's `RequestRouter` API), chosen with
+`--router`: `prefix` (the default with more than one replica), `pow2` (Serve's power of
+two choices) or `round-robin`.
+
+`PrefixRouter` routes on what the engines' radix caches really hold, not on a guess: each
+engine's scheduler keeps a digest of its cached whole-page prefixes (kvcache.digest), and
+the router follows every replica's digest with a long poll (`SchedulerActor.prefix_digest`:
+one call returns every change since the last, or waits for a step to make some), so a
+finished turn's prefix is known to the router within about a step. A request's token ids
+(the ingress tokenizes before routing) give its chain keys, and the replica whose digest
+matches the most leading pages wins, unless its load (requests in flight, Serve's count)
+exceeds the least loaded replica's by more than `load_margin`; then the least loaded one
+wins. Ties go to the less loaded replica. Between a request's routing and its prefix
+reaching the digest (its prefill done), the router counts the prompt as held by the replica
+it chose (for `routed_ttl_s`), so a burst sharing a new prefix lands together.
+
+The router never waits on an engine: routing reads only the local copies. A replica whose
+poll fails or hangs keeps its last known digest until Serve drops the replica (then its
+copy goes too), so a dead or slow engine costs routing quality, never a request.
+
+Decisions are counted in this process (`metrics.ROUTER_STATS`), which is the ingress's:
+its /metrics exports them. (Serve ships a router class to the handle's process pickled by
+value, with this module's globals copied: state shared with the ingress must live in
+another module.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from kvray.deploy import metrics  # by reference: Serve pickles this module by value
+from kvray.kvcache.digest import DigestFollower, page_keys
+
+_log = logging.getLogger(__name__)
+
+ROUTERS = ("prefix", "pow2", "round-robin")
+POLL_WAIT_S = 2.0  # how long one digest long poll may wait for a change
+POLL_TIMEOUT_S = 10.0  # a poll that takes longer is given up (the engine is hung)
+RETRY_S = 1.0  # after a failed poll
+# How long a routed prompt counts as held by its replica before the digest confirms it.
+ROUTED_TTL_S = 10.0
+
+
+def scheduler_name(app_name: str, replica_tag: str) -> str:
+    """The named scheduler actor of one engine replica (the router finds it by this)."""
+    from kvray.deploy.app import SCHEDULER_PREFIX
+
+    return f"{SCHEDULER_PREFIX}{app_name}-{replica_tag}"
+
+
+def _token_ids(request: PendingRequest | None) -> Sequence[int] | None:
+    """The request's prompt token ids: `EngineDeployment.generate(input_ids, sampling)`."""
+    if request is None or not request.args:
+        return None
+    ids = request.args[0]
+    return ids if isinstance(ids, list) else None
+
+
+@dataclass
+class _EngineView:
+    """What the router knows of one replica's engine."""
+
+    digest: DigestFollower = field(default_factory=DigestFollower)
+    load: int = -1  # requests running or waiting there, as last reported (-1: unknown)
+    alive: bool = True  # False while its engine's scheduler does not answer
+    # Prompts routed here and not yet confirmed by the digest (a request's prefix enters
+    # the cache when its prefill is done): chain key -> when it stops counting.
+    routed: dict[int, float] = field(default_factory=dict)
+
+    def matched_pages(self, keys: Sequence[int], now: float) -> int:
+        n = 0
+        held, routed = self.digest.keys, self.routed
+        for k in keys:
+            if k not in held and routed.get(k, 0.0) < now:
+                break
+            n += 1
+        return n
+
+    @property
+    def size(self) -> int:
+        """Pages held (or routed here): the tie-break between equally loaded replicas."""
+        return len(self.digest.keys) + len(self.routed)
+
+    def expire(self, now: float) -> None:
+        self.routed = {k: t for k, t in self.routed.items() if t >= now}
+
+
+class PrefixRouter(RequestRouter):
+    def initialize_state(
+        self, app_name: str = "", load_margin: int = 4, routed_ttl_s: float = ROUTED_TTL_S
+    ) -> None:
+        self._app_name = app_name
+        self._load_margin = load_margin
+        self._routed_ttl_s = routed_ttl_s
+        self._views: dict[ReplicaID, _EngineView] = {}
+        self._polls: dict[ReplicaID, asyncio.Task[None]] = {}
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for rid in list(self._polls):
+            if rid not in live:
+                self._forget(rid)
+        for rid in live - set(self._polls):
+            view = self._views[rid] = _EngineView()
+            self._polls[rid] = self._event_loop.create_task(self._follow(rid, view))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id)
+
+    def _forget(self, rid: ReplicaID) -> None:
+        task = self._polls.pop(rid, None)
+        if task is not None:
+            task.cancel()
+        self._views.pop(rid, None)
+
+    async def _follow(self, rid: ReplicaID, view: _EngineView) -> None:
+        """Keep `view` current with one replica's engine, until cancelled."""
+        from kvray.cluster.engine import ACTOR_NAMESPACE
+
+        name = scheduler_name(self._app_name, rid.unique_id)
+        actor = None
+        while True:
+            try:
+                if actor is None:
+                    actor = await asyncio.to_thread(ray.get_actor, name, namespace=ACTOR_NAMESPACE)
+                digest = view.digest
+                ref = actor.prefix_digest.remote(digest.epoch, digest.seq, view.load, POLL_WAIT_S)
+                delta, view.load = await asyncio.wait_for(ref, POLL_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - not there yet, restarting, dead or hung
+                _log.debug("digest poll of %s failed: %s", name, e)
+                actor, view.alive = None, False
+                await asyncio.sleep(RETRY_S)
+                continue
+            view.alive = True
+            if delta is not None:  # (None: a cache policy without a digest)
+                view.digest.apply(delta)
+            view.expire(time.monotonic())
+
+    def _load(self, rid: ReplicaID) -> int:
+        """Requests in flight at a replica: Serve's count (this router's sends and their
+        ends, and the replica's own reports) or its engine's, whichever is higher (the
+        engine's also counts requests from other routers)."""
+        view = self._views.get(rid)
+        engine = view.load if view is not None else 0
+        return max(self._replica_queue_len_cache.get(rid) or 0, engine)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        # An engine that stopped answering is left out while another one answers.
+        answering = [r for r in candidate_replicas if self._view(r).alive]
+        candidate_replicas = answering or candidate_replicas
+        if not candidate_replicas:
+            return []
+        loads = {r.replica_id: self._load(r.replica_id) for r in candidate_replicas}
+        by_load = sorted(
+            candidate_replicas, key=lambda r: (loads[r.replica_id], self._view(r).size)
+        )
+        least = by_load[0]
+        ids = _token_ids(pending_request)
+        page_size = self._page_size()
+        if ids is None or not page_size:
+            return [[least], by_load[1:]]
+        keys = page_keys(ids, page_size)
+        now = time.monotonic()
+        matched = {}
+        for r in candidate_replicas:
+            view = self._views.get(r.replica_id)
+            matched[r.replica_id] = view.matched_pages(keys, now) if view is not None else 0
+        best = max(by_load, key=lambda r: matched[r.replica_id])  # first max: less loaded
+        if matched[best.replica_id] == 0:
+            chosen, decision = least, "no_match"
+        elif loads[best.replica_id] - loads[least.replica_id] > self._load_margin:
+            chosen, decision = least, "load"
+        else:
+            chosen, decision = best, "prefix"
+        metrics.ROUTER_STATS[decision] += 1
+        metrics.ROUTER_STATS["tokens"] += len(ids)
+        metrics.ROUTER_STATS["matched_tokens"] += matched[chosen.replica_id] * page_size
+        view = self._views.get(chosen.replica_id)
+        if view is not None:
+            until = now + self._routed_ttl_s
+            view.routed.update(dict.fromkeys(keys, until))
+        # If the chosen replica cannot take it now (full), Serve tries the rest, by load.
+        return [[chosen], [r for r in by_load if r is not chosen]]
+
+    def _view(self, replica: RunningReplica) -> _EngineView:
+        view = self._views.get(replica.replica_id)
+        return view if view is not None else _EngineView()
+
+    def _page_size(self) -> int:
+        return next((v.digest.page_size for v in self._views.values() if v.digest.page_size), 0)
+
+
+class RoundRobinRouter(RequestRouter):
+    """Each request to the next replica in turn (replica ids in a fixed order)."""
+
+    def initialize_state(self, **_: Any) -> None:
+        self._turn = itertools.count()
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        i = next(self._turn) % len(ordered)
+        return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]
+
+
+def router_config(router: str, app_name: str, load_margin: int) -> Any:
+    """The engine deployment's `request_router_config` for a `--router` choice."""
+    from ray.serve.config import RequestRouterConfig
+
+    if router == "pow2":
+        return RequestRouterConfig()
+    if router == "round-robin":
+        return RequestRouterConfig(request_router_class=RoundRobinRouter)
+    if router == "prefix":
+        return RequestRouterConfig(
+            request_router_class=PrefixRouter,
+            request_router_kwargs={"app_name": app_name, "load_margin": load_margin},
+        )
+    raise ValueError(f"unknown router {router!r}: one of {', '.join(ROUTERS)}")

@@ -1,0 +1,288 @@
+"""Prefix-aware routing across engine replicas, over real HTTP through Ray Serve: two
+replicas of a tiny random Llama (TP 1, float32), `--router prefix`.
+
+- each follow-up turn of a conversation (the whole history resent) goes to the replica that
+  served the turn before, which finds that history in its prefix cache; conversations
+  spread over both replicas; every output equals Hugging Face's greedy tokens;
+- with that replica loaded past the margin, the follow-up goes to the other one (a "load"
+  decision), which computes it, with the same tokens;
+- with one replica's engine killed, requests keep being served by the other one: none that
+  had not started on the dead engine is lost, and the app serves again.
+Page accounting balances on every live engine after each test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from engine_checks import hf_greedy
+
+from kvray.core import SamplingParams
+from kvray.net import free_port
+
+APP = "kvray-route"
+SCHEDULER_PREFIX = f"kvray-scheduler-{APP}-"
+PAGE = 16
+MARGIN = 1
+TURN_TOKENS = 8  # generated per turn
+CONVERSATIONS = 3  # odd: round-robin would move every conversation at its next turn
+TURNS = 3
+
+pytestmark = [
+    pytest.mark.timeout(400),
+    pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`"),
+]
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> None:
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_checkpoints: dict[str, Any]) -> Any:
+    return tiny_checkpoints["llama"][1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_for_tiny(tiny_checkpoints: dict[str, Any]) -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(tiny_checkpoints["llama"][0])
+
+
+@pytest.fixture(scope="module")
+def server(ray_session: None, tiny_checkpoints: dict[str, Any]) -> Iterator[str]:
+    from ray import serve
+
+    from kvray.deploy.app import start_app
+    from kvray.deploy.settings import ServeConfig
+
+    path, _ = tiny_checkpoints["llama"]
+    settings = ServeConfig(
+        model=str(path),
+        replicas=2,
+        num_pages=128,
+        page_size=PAGE,
+        dtype="float32",
+        served_model_name="tiny",
+        app_name=APP,
+        router_load_margin=MARGIN,
+        health_timeout_s=5.0,
+    ).resolved()
+    assert settings.routing == "prefix"  # the default with more than one replica
+    port = free_port()
+    serve.shutdown()  # a Serve left by an earlier module would keep its own HTTP port
+    start_app(settings, "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.delete(APP)
+        finally:
+            serve.shutdown()
+
+
+@pytest.fixture
+def http(server: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server, timeout=120) as c:
+        yield c
+    assert_clean()
+
+
+def schedulers() -> dict[str, Any]:
+    """The app's live scheduler actors, by name."""
+    out = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith(SCHEDULER_PREFIX):
+            try:
+                actor = ray.get_actor(a["name"], namespace=a["namespace"])
+                ray.get(actor.stats.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - dead or going away
+                continue
+            out[a["name"]] = actor
+    return out
+
+
+def stats() -> dict[str, dict[str, Any]]:
+    return {name: ray.get(a.stats.remote()) for name, a in schedulers().items()}
+
+
+def assert_clean(timeout_s: float = 60.0) -> None:
+    """Every live engine: no request left, page accounting balances, all pages free once
+    the prefix cache is flushed."""
+    for name, actor in schedulers().items():
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = ray.get(actor.stats.remote())
+            if s["num_running"] == 0 and s["num_waiting"] == 0:
+                ray.get(actor.check_integrity.remote())
+                ray.get(actor.flush_cache.remote())
+                if ray.get(actor.is_idle_and_empty.remote()):
+                    break
+            assert time.monotonic() < deadline, f"{name} not idle and empty: {s}"
+            time.sleep(0.1)
+
+
+def complete(http: httpx.Client, prompt: list[int], max_tokens: int = TURN_TOKENS) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    r = http.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def served_by(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> str:
+    """The one engine whose prefix-cache lookups moved between two `stats()`."""
+    moved = [
+        n for n in after if after[n]["prefix_query_tokens"] != before[n]["prefix_query_tokens"]
+    ]
+    assert len(moved) == 1, f"expected one engine to serve the request, got {moved}"
+    return moved[0]
+
+
+def router_decisions(http: httpx.Client) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        if family.name == "kvray:router_decisions":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["decision"]] = sample.value
+    return out
+
+
+def hf_text(tokenizer: Any, prompt: list[int], ids: list[int]) -> str:
+    """The text the server shows for output tokens `ids` after `prompt` (its detokenizer)."""
+    from kvray.text.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    return "".join(detok.push(t) for t in ids) + detok.flush()
+
+
+def opening(c: int) -> list[int]:
+    """Conversation c's first prompt: 40 to 70 token ids of the tiny vocabulary."""
+    return [(11 * c + 7 * j + j * j) % 280 + 10 for j in range(40 + 10 * c)]
+
+
+def test_follow_up_turns_go_to_the_replica_holding_the_conversation(
+    http: httpx.Client, hf: Any, tokenizer_for_tiny: Any
+) -> None:
+    history = {c: opening(c) for c in range(CONVERSATIONS)}
+    home: dict[int, str] = {}
+    decisions0 = router_decisions(http)
+    for turn in range(TURNS):
+        for c in range(CONVERSATIONS):  # interleaved, as independent clients
+            prompt = history[c]
+            before = stats()
+            text = complete(http, prompt)
+            after = stats()
+            want = hf_greedy(hf, prompt, TURN_TOKENS)
+            assert text == hf_text(tokenizer_for_tiny, prompt, want), f"conversation {c}, {turn}"
+            engine = served_by(before, after)
+            if turn:
+                assert engine == home[c], f"conversation {c} turn {turn} moved"
+                hit = after[engine]["prefix_hit_tokens"] - before[engine]["prefix_hit_tokens"]
+                held = (len(prompt) - TURN_TOKENS - 6) // PAGE * PAGE  # last turn's prompt
+                assert hit >= held, f"conversation {c} turn {turn}: {hit} of {held} cached"
+            home[c] = engine
+            # the next turn: the whole history, this turn's reply and a new user message
+            history[c] = prompt + want + [(5 * turn + c + j) % 280 + 10 for j in range(6)]
+            time.sleep(0.05)  # a client's pause: the reply's prefix reaches the router
+    assert len(set(home.values())) == 2, "all conversations on one replica"
+    decisions = router_decisions(http)
+    follow_ups = CONVERSATIONS * (TURNS - 1)
+    assert decisions.get("prefix", 0) - decisions0.get("prefix", 0) >= follow_ups
+
+
+def test_a_loaded_replica_loses_the_follow_up(
+    http: httpx.Client, hf: Any, tokenizer_for_tiny: Any
+) -> None:
+    prompt = opening(7)
+    before = stats()
+    complete(http, prompt)
+    home = served_by(before, stats())
+    # Load the conversation's replica past the margin, behind the router's back.
+    actor = schedulers()[home]
+    busy = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    rids = [ray.get(actor.submit.remote(opening(20 + i)[:30], busy)) for i in range(MARGIN + 2)]
+    try:
+        time.sleep(0.3)  # the engine's load reaches the router with its next step
+        decisions0 = router_decisions(http)
+        follow_up = prompt + hf_greedy(hf, prompt, TURN_TOKENS) + [42] * 6
+        before = stats()
+        text = complete(http, follow_up)
+        after = stats()
+        assert served_by(before, after) != home
+        assert router_decisions(http).get("load", 0) == decisions0.get("load", 0) + 1
+        assert text == hf_text(tokenizer_for_tiny, follow_up, hf_greedy(hf, follow_up, TURN_TOKENS))
+    finally:
+        for rid in rids:
+            ray.get(actor.abort.remote(rid))
+
+
+def _stream(base: str, prompt: list[int], out: dict[str, Any]) -> None:
+    """One streamed completion read to its end: out["text"], out["done"], out["errors"]."""
+    import json
+
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0}
+    body.update(stream=True, ignore_eos=True)
+    out.update(text="", done=False, errors=[])
+    with httpx.Client(base_url=base, timeout=300) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    out["done"] = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        out["errors"].append(event["error"])
+                    else:
+                        out["text"] += "".join(ch["text"] for ch in event["choices"])
+
+
+def test_killing_an_engine_keeps_the_app_serving(
+    server: str, http: httpx.Client, hf: Any, tokenizer_for_tiny: Any
+) -> None:
+    import threading
+
+    engines = schedulers()
+    assert len(engines) == 2
+    prompts = [opening(30 + i)[:40] for i in range(4)]
+    results: list[dict[str, Any]] = [{} for _ in prompts]
+    threads = [
+        threading.Thread(target=_stream, args=(server, p, r), daemon=True)
+        for p, r in zip(prompts, results, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # all four are running, spread over both engines
+    victim = sorted(engines)[0]
+    ray.kill(engines[victim])
+    # Requests that arrive now never start on the dead engine: all are served.
+    for i in range(4):
+        prompt = opening(40 + i)[:60]
+        text = complete(http, prompt)
+        assert text == hf_text(tokenizer_for_tiny, prompt, hf_greedy(hf, prompt, TURN_TOKENS))
+    for t in threads:
+        t.join(120)
+    finished = [r for r in results if r["done"] and not r["errors"]]
+    assert finished, f"no stream survived on the live engine: {results}"
+    assert len(finished) < len(results), "no stream was running on the killed engine"
+    for r in results:  # the rest ended with a clear error, not a hang or a cut stream
+        assert r["done"], r
+        assert all(e["code"] == 503 for e in r["errors"]), r
+    # Serve replaces the dead replica; the router takes the new one in.
+    deadline = time.monotonic() + 120
+    while len(schedulers()) < 2 or victim in schedulers():
+        assert time.monotonic() < deadline, "the engine replica was not replaced"
+        time.sleep(1.0)
+    for i in range(4):
+        complete(http, opening(50 + i)[:60])
