@@ -80,7 +80,7 @@ class RadixCacheHandle(BaseCacheHandle):
 class RadixPrefixCache(BasePrefixCache):
     def __init__(self, page_size: int) -> None:
         super().__init__(page_size)
-        self.digest = PrefixDigest(page_size)
+        self._digest = self.digest = PrefixDigest(page_size)
         self.root = RadixTreeNode((), _EMPTY, None)
         self.root.ref_count = 1  # the root is never evicted
         self._evictable = 0
@@ -154,7 +154,7 @@ class RadixPrefixCache(BasePrefixCache):
             new.last_access = self._clock
             parent_key = node.pages[-1] if node.pages else ROOT_KEY
             new.pages = page_keys(ids, self.page_size, prefix_len, parent_key)
-            self.digest.add(new.pages)
+            self._digest.add(new.pages)
             node.children[new.key[: self.page_size]] = new
             self._evictable += n - prefix_len
             node = new
@@ -197,7 +197,7 @@ class RadixPrefixCache(BasePrefixCache):
             assert parent is not None
             del parent.children[node.key[: self.page_size]]
             node.parent = None
-            self.digest.remove(node.pages)
+            self._digest.remove(node.pages)
             evicted.append(node.value)
             total += len(node)
             self._evictable -= len(node)
@@ -253,6 +253,6 @@ class RadixPrefixCache(BasePrefixCache):
             parent_key = parent.pages[-1] if parent.pages else ROOT_KEY
             assert node.pages == page_keys(node.key, ps, 0, parent_key), "page keys drift"
             keys.update(node.pages)
-        assert keys == self.digest.keys, "digest differs from the tree"
+        assert keys == self._digest.keys, "digest differs from the tree"
         slots = self.all_indices()
         assert len(np.unique(slots)) == len(slots), "a slot is held twice by the cache"
