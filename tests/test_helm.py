@@ -535,7 +535,7 @@ def test_the_schema_says_what_the_setting_accepts(name):
         assert _chart_value(name) is None, f"{name}: null allowed, so the chart default is null"
     origin = typing.get_origin(kind)
     if origin is typing.Literal:
-        assert set(prop["enum"]) == set(typing.get_args(kind)), name
+        assert set(prop["enum"]) - {None} == set(typing.get_args(kind)), name
     elif origin is tuple:
         assert set(prop["items"]["enum"]) == set(typing.get_args(typing.get_args(kind)[0]))
     elif kind is bool:

@@ -5,7 +5,9 @@ replicas of a tiny random Llama (TP 1, float32), `--router prefix`.
   served the turn before, which finds that history in its prefix cache; conversations
   spread over both replicas; every output equals Hugging Face's greedy tokens;
 - with that replica loaded past the margin, the follow-up goes to the other one (a "load"
-  decision), which computes it, with the same tokens;
+  decision), which fetches the history's K/V from the loaded one (--share-kv) instead of
+  computing it, with the same tokens; an export's page locks never outlive its call, and a
+  fetch that cannot happen leaves the request to compute;
 - with one replica's engine killed, requests keep being served by the other one: none that
   had not started on the dead engine is lost, and the app serves again.
 Page accounting balances on every live engine after each test.
@@ -74,6 +76,8 @@ def server(ray_session: None, tiny_checkpoints: dict[str, Any]) -> Iterator[str]
         served_model_name="tiny",
         app_name=APP,
         router_load_margin=MARGIN,
+        share_kv=True,
+        share_kv_min_tokens=2 * PAGE,
         health_timeout_s=5.0,
     ).resolved()
     assert settings.routing == "prefix"  # the default with more than one replica
@@ -146,16 +150,21 @@ def served_by(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]
     return moved[0]
 
 
-def router_decisions(http: httpx.Client) -> dict[str, float]:
+def samples(http: httpx.Client) -> dict[str, float]:
+    """The app's /metrics: sample name (with its decision label, if any) -> value."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
     for family in text_string_to_metric_families(http.get("/metrics").text):
-        if family.name == "kvray:router_decisions":
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    out[sample.labels["decision"]] = sample.value
+        for sample in family.samples:
+            decision = sample.labels.get("decision")
+            out[f"{sample.name}[{decision}]" if decision else sample.name] = sample.value
     return out
+
+
+def router_decisions(http: httpx.Client) -> dict[str, float]:
+    prefix = "kvray:router_decisions_total["
+    return {k[len(prefix) : -1]: v for k, v in samples(http).items() if k.startswith(prefix)}
 
 
 def hf_text(tokenizer: Any, prompt: list[int], ids: list[int]) -> str:
@@ -219,8 +228,23 @@ def test_a_loaded_replica_loses_the_follow_up(
         before = stats()
         text = complete(http, follow_up)
         after = stats()
-        assert served_by(before, after) != home
+        other = served_by(before, after)
+        assert other != home
         assert router_decisions(http).get("load", 0) == decisions0.get("load", 0) + 1
+        # the history's K/V came from the loaded replica: fetched, not computed
+        moved = {
+            k: after[other][k] - before[other][k]
+            for k in ("kv_fetches", "kv_fetch_failures", "kv_fetched_tokens", "prefill_tokens")
+        }
+        assert moved["kv_fetches"] == 1 and moved["kv_fetch_failures"] == 0, moved
+        assert moved["kv_fetched_tokens"] >= len(prompt) // PAGE * PAGE, moved
+        assert moved["prefill_tokens"] <= len(follow_up) - moved["kv_fetched_tokens"], moved
+        assert after[home]["kv_exports"] == before[home]["kv_exports"] + 1
+        metrics = samples(http)
+        assert metrics["kvray:kv_fetches_total"] >= 1
+        assert metrics["kvray:kv_fetched_tokens_total"] >= moved["kv_fetched_tokens"]
+        assert metrics["kvray:kv_fetch_seconds_count"] >= 1
+        assert metrics["kvray:router_kv_source_hints_total"] >= 1
         assert text == hf_text(tokenizer_for_tiny, follow_up, hf_greedy(hf, follow_up, TURN_TOKENS))
     finally:
         for rid in rids:
@@ -286,3 +310,30 @@ def test_killing_an_engine_keeps_the_app_serving(
         time.sleep(1.0)
     for i in range(4):
         complete(http, opening(50 + i)[:60])
+
+
+def test_an_export_never_leaves_pages_locked(http: httpx.Client) -> None:
+    prompt = opening(9)
+    before = stats()
+    complete(http, prompt)
+    home = served_by(before, stats())
+    holder = schedulers()[home]
+    # an export hands out one copy per TP rank and unlocks as it returns
+    tokens, refs = ray.get(holder.export_prefix.remote(prompt, 0))
+    assert tokens >= len(prompt) // PAGE * PAGE and len(refs) == 1
+    kv = ray.get(refs[0])
+    assert kv.shape[2] == tokens // PAGE and kv.shape[3] == PAGE  # (2, layers, pages, ...)
+    del kv, refs
+
+    @ray.remote
+    class Fetcher:
+        async def take(self, holder: Any, ids: list[int]) -> Any:
+            return await holder.export_prefix.remote(ids, 0)
+
+    fetcher = Fetcher.remote()  # a fetching side that dies mid-transfer
+    fetcher.take.remote(holder, prompt)
+    ray.kill(fetcher)
+    # a fetch from an engine that is not there: nothing imported, the request computes
+    other = next(a for n, a in schedulers().items() if n != home)
+    assert ray.get(other.fetch_prefix.remote(prompt, SCHEDULER_PREFIX + "gone")) == 0
+    # (the `http` fixture then checks both engines: no page locked, all free after a flush)

@@ -342,3 +342,44 @@ def test_random_sequences_keep_every_invariant(ps, policy, data):
     event(f"finished: {min(sched.stats.num_finished, 10) // 5 * 5}+")
     sched.flush_cache()
     assert sched.is_idle_and_empty()
+
+
+def test_prefix_export_and_import_leases_keep_the_page_accounting():
+    """The scheduler side of a K/V transfer between engines (kvray.cluster.kv_transfer):
+    an export locks the cached pages until it ends; an import reserves pages (accounted
+    for while in flight), then enters the tree extending the local prefix, or is freed."""
+    ps = 4
+    holder, _ = make(ps=ps, num_pages=16)
+    fetcher, _ = make(ps=ps, num_pages=16)
+    ids = list(range(1, 23))  # 5 whole pages + 2 tokens
+    slots = holder.cache._page_to_token(holder.cache._allocate(5))
+    holder.cache.prefix_cache.insert_prefix(ids, slots)
+    holder.check_integrity()
+    # the fetcher already holds the first page: it asks for the rest
+    own = fetcher.cache._page_to_token(fetcher.cache._allocate(1))
+    fetcher.cache.prefix_cache.insert_prefix(ids[:ps], own)
+    lease_in = fetcher.cache.lease_import(ids)
+    assert lease_in.start == ps
+    out = holder.cache.lease_export(ids, lease_in.start)
+    assert out is not None and out.tokens == 5 * ps and len(out.pages) == 4
+    assert holder.cache.prefix_cache.size_info.protected_size == 5 * ps  # locked
+    holder.cache.end_export(out)
+    assert holder.cache.prefix_cache.size_info.protected_size == 0
+    assert holder.cache.lease_export(ids, 5 * ps) is None  # nothing past what it holds
+    free0 = fetcher.cache.num_free_pages
+    pages = fetcher.cache.reserve_import(lease_in, len(out.pages))
+    assert len(pages) == 4 and fetcher.cache.num_free_pages == free0 - 4
+    fetcher.check_integrity()  # reserved pages are accounted for while in flight
+    assert fetcher.cache.end_import(lease_in, ids, written=True) == 4 * ps
+    fetcher.check_integrity()
+    assert fetcher.cache.prefix_cache.match_prefix(ids).cached_len == 5 * ps
+    assert fetcher.cache.prefix_cache.size_info.protected_size == 0
+    # a failed import frees its pages and unlocks the local prefix
+    lease = fetcher.cache.lease_import(ids + [99] * 8)
+    fetcher.cache.reserve_import(lease, 2)
+    assert fetcher.cache.end_import(lease, ids + [99] * 8, written=False) == 0
+    fetcher.check_integrity()
+    fetcher.flush_cache()
+    assert fetcher.is_idle_and_empty()
+    holder.flush_cache()
+    assert holder.is_idle_and_empty()

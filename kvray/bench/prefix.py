@@ -1,4 +1,5 @@
 """Prefix-sharing benchmark: the radix cache against the naive cache on shared system prompts.
+(With `--replicas N`: the request routers across N engine replicas, kvray.bench.routing.)
 
     python -m kvray.bench.prefix [--groups 8] [--per-group 16] [--prefix-len 1024]
                                  [--suffix-len 32] [--output-len 32] [--json PATH]
@@ -300,6 +301,11 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args_in = sys.argv[1:] if argv is None else argv
+    if any(a == "--replicas" or a.startswith("--replicas=") for a in args_in):
+        from kvray.bench import routing  # across replicas: the routers' benchmark
+
+        return routing.main(args_in)
     from kvray.config import EngineConfig
 
     defaults = EngineConfig.model_fields  # the engine's own, where the bench keeps them

@@ -44,6 +44,16 @@ class WorkerActor:
         result = self.worker.execute(plan)
         return result if self.rank == 0 else None  # every rank computed it; one answers
 
+    def export_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of this rank's K/V of whole pages (it goes to the object store)."""
+        assert self.worker is not None
+        return self.worker.kvcache.read_pages(pages)
+
+    def import_pages(self, pages: list[int], kv: torch.Tensor) -> None:
+        """Write K/V another engine's same rank exported into this rank's pages."""
+        assert self.worker is not None
+        self.worker.kvcache.write_pages(pages, kv)
+
     def kv_buffer_shape(self) -> tuple[int, ...]:
         assert self.worker is not None
         return self.worker.kv_buffer_shape

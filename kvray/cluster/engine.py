@@ -53,6 +53,7 @@ class Engine:
         compiled: bool | None = None,
         address: str | None = None,
         worker_cpus: float = 1.0,
+        worker_threads: int | None = None,
         progress: bool = True,
         name: str | None = None,
     ) -> None:
@@ -73,7 +74,7 @@ class Engine:
                 name=name,
                 namespace=ACTOR_NAMESPACE if name else None,
             )
-            .remote(self.spec, device, compiled, worker_cpus, self.pg_name_prefix)
+            .remote(self.spec, device, compiled, worker_cpus, self.pg_name_prefix, worker_threads)
         )
         # Whatever way this Engine goes (shutdown, garbage collection, interpreter exit),
         # its actor is killed and its placement groups are removed.

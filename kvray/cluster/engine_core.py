@@ -19,10 +19,11 @@ no progress between the failures.) If the group cannot be rebuilt within
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from kvray.cluster.spec import EngineSpec
 from kvray.core import FinishReason, SamplingParams, StepPlan, TokenEvent
 from kvray.kvcache.digest import DigestDelta
 from kvray.scheduler import Scheduler, SchedulerStats
+from kvray.scheduler.cache import CacheManager
 
 MAX_REPLAYS = 3  # rebuilds in a row, with no new token between them, a request may live through
 
@@ -201,6 +203,13 @@ class EngineCore:
     def flush_cache(self) -> None:
         with self._lock:
             self.scheduler.flush_cache()
+
+    @contextlib.contextmanager
+    def cache_locked(self) -> Iterator[CacheManager]:
+        """The scheduler's CacheManager, with the core locked (no step is being planned):
+        for moving prefixes in and out between steps (kvray.cluster.kv_transfer)."""
+        with self._lock:
+            yield self.scheduler.cache
 
     @property
     def num_requests(self) -> int:

@@ -46,6 +46,7 @@ class RayExecutor(Executor):
         compiled: bool | None = None,
         placement_strategy: str = "PACK",
         worker_cpus: float = 1.0,
+        worker_threads: int | None = None,
         step_timeout_s: float = 600.0,
         ready_timeout_s: float = 120.0,
         pg_name_prefix: str = "",
@@ -60,6 +61,7 @@ class RayExecutor(Executor):
         # Placement groups outlive the actor that created them (Ray scopes them to the job),
         # so each gets a name the Engine can find and remove if this actor dies uncleanly.
         self.pg_name_prefix = pg_name_prefix
+        self.worker_threads = worker_threads
         self._generation = 0
         self.actors: list[Any] = []
         self.pg: Any = None
@@ -85,7 +87,8 @@ class RayExecutor(Executor):
                 f"cannot place {self.tp_size} TP workers of {bundle} each "
                 f"({self.placement_strategy}); cluster resources: {ray.available_resources()}"
             ) from None
-        threads = max(1, (os.cpu_count() or 1) // self.tp_size)
+        # Torch threads per CPU rank: the node's cores shared by the ranks, unless told.
+        threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.tp_size)
         remote_cls = ray.remote(WorkerActor)
         self.actors = [
             remote_cls.options(

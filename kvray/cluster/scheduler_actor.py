@@ -27,7 +27,11 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import ray
+
+from kvray.cluster import kv_transfer
 from kvray.cluster.engine_core import EngineCore, EngineFailed
+from kvray.cluster.kv_transfer import TransferStats
 from kvray.cluster.ray_executor import RayExecutor
 from kvray.cluster.spec import EngineSpec
 from kvray.core import FinishReason, SamplingParams, TokenEvent
@@ -87,6 +91,7 @@ class SchedulerActor:
         compiled: bool | None = None,
         worker_cpus: float = 1.0,
         pg_name_prefix: str = "",
+        worker_threads: int | None = None,
     ) -> None:
         self.spec = spec
         # What start() builds: the TP group's workers (nothing is started before then).
@@ -97,6 +102,7 @@ class SchedulerActor:
             compiled=compiled,
             placement_strategy=spec.config.placement_strategy,
             worker_cpus=worker_cpus,
+            worker_threads=worker_threads,
             pg_name_prefix=pg_name_prefix,
         )
         self.phase = Phase.CREATED
@@ -108,6 +114,7 @@ class SchedulerActor:
         # Set after each step that delivered events (the cache may have changed): wakes
         # the routers waiting in `prefix_digest`.
         self._stepped = asyncio.Event()
+        self._transfers = TransferStats()
 
     @property
     def core(self) -> EngineCore:
@@ -220,6 +227,7 @@ class SchedulerActor:
             # The prefill budget of the next step and the step-time model behind it.
             **s.budget.info(s.num_decoding),
             "recoveries": self.core.recoveries,
+            **vars(self._transfers),
         }
 
     async def check_integrity(self) -> None:
@@ -228,6 +236,26 @@ class SchedulerActor:
     async def flush_cache(self) -> None:
         self.core.flush_cache()
         self._stepped.set()
+
+    async def export_prefix(
+        self, input_ids: Sequence[int], start: int
+    ) -> tuple[int, list[Any]] | None:
+        """Copy out the pages of a cached prefix past token `start` (kv_transfer)."""
+        return await kv_transfer.export_prefix(self.core, self._transfers, input_ids, start)
+
+    async def fetch_prefix(self, input_ids: Sequence[int], holder: str) -> int:
+        """Import from the engine whose scheduler is named `holder` what it caches of
+        this prompt beyond this engine's cache (kv_transfer); returns the tokens imported."""
+        from kvray.cluster.engine import ACTOR_NAMESPACE
+
+        try:
+            actor = await asyncio.to_thread(ray.get_actor, holder, namespace=ACTOR_NAMESPACE)
+        except ValueError:
+            self._transfers.kv_fetch_failures += 1
+            return 0
+        added = await kv_transfer.fetch_prefix(self.core, self._transfers, input_ids, actor)
+        self._stepped.set()  # the digest changed
+        return added
 
     async def prefix_digest(
         self, epoch: int, seq: int, load: int = -1, wait_s: float = 0.0

@@ -27,6 +27,7 @@ from kvray.deploy.settings import ServeConfig
 SCHEDULER_PREFIX = "kvray-scheduler-"
 
 
+FETCH_WAIT_S = 15.0  # a request waits this long at most for its prefix's K/V
 SUBMIT_TRIES = 3  # a request whose engine was gone before it started goes elsewhere
 
 
@@ -56,6 +57,7 @@ class EngineDeployment:
             s.engine_config,
             compiled=s.compiled,
             worker_cpus=s.worker_cpus,
+            worker_threads=s.threads_per_worker,
             progress=False,
             name=self.name,
         )
@@ -66,7 +68,7 @@ class EngineDeployment:
         return EngineLimits(max_seq_len=spec.max_seq_len, vocab_size=spec.vocab_size)
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams
+        self, input_ids: list[int], sampling: SamplingParams, kv_source: str | None = None
     ) -> AsyncIterator[tuple[str, int]]:
         """Submit a request; yield (scheduler actor name, request id) and stay open until
         the request ends. The tokens do not pass through here: the ingress reads them
@@ -74,7 +76,18 @@ class EngineDeployment:
         this open stream keeps the request counted against this replica for Serve's
         router. The request's only abort on the way: this stream ends before the request
         did (`EngineStream.cancel` aborts it at the scheduler first; this covers an
-        ingress that went away), and the request's pages are freed at once."""
+        ingress that went away), and the request's pages are freed at once.
+
+        `kv_source` (set by the router with --share-kv) names another engine's scheduler
+        that caches more of the prompt: its K/V is fetched first (kvray.cluster.kv_transfer),
+        for at most FETCH_WAIT_S; on any failure the request computes its prompt."""
+        if kv_source is not None and kv_source != self.name:
+            try:
+                await asyncio.wait_for(
+                    self.actor.fetch_prefix.remote(input_ids, kv_source), FETCH_WAIT_S
+                )
+            except Exception:  # noqa: BLE001 - slow or failed: compute instead
+                pass
         try:
             rid = await self.actor.submit.remote(input_ids, sampling)
         except ray.exceptions.RayActorError:
@@ -214,7 +227,7 @@ class Ingress:
         self.model_name = name
         self.metrics = RequestMetrics(self.registry, name)
         self.registry.register(EngineCollector(name, lambda: engine_stats(s.app_name)))
-        if s.routing == "prefix":
+        if s.routing != "pow2":  # kvray's routers count their decisions here
             self.registry.register(RouterCollector(name))
         self.state = ServerState()
 
@@ -293,7 +306,14 @@ def build_app(settings: ServeConfig) -> Application:
     from kvray.deploy.router import router_config
 
     raw = settings.model_dump()
-    router = router_config(settings.routing, settings.app_name, settings.router_load_margin)
+    router = router_config(
+        settings.routing,
+        settings.app_name,
+        settings.page_size,
+        settings.router_load_margin,
+        settings.share_kv,
+        settings.share_kv_min_tokens,
+    )
     engine = EngineDeployment.options(
         num_replicas=settings.replicas, request_router_config=router
     ).bind(raw)

@@ -22,7 +22,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (
@@ -193,6 +198,49 @@ class EngineCollector(Collector):
             "num_preemptions", "Requests retracted for lack of KV pages.", total("num_preemptions")
         )
         yield counter("num_aborted_requests", "Requests aborted.", total("num_aborted"))
+        yield counter(
+            "prefill_computed_tokens",
+            "Prompt tokens whose K/V the engines computed (not found in a prefix cache, not "
+            "fetched from another replica).",
+            total("prefill_tokens"),
+        )
+        # Prefixes shared between replicas (--share-kv: kvray.cluster.kv_transfer).
+        yield counter(
+            "kv_fetches",
+            "Prompt prefixes whose K/V was fetched from another replica.",
+            total("kv_fetches"),
+        )
+        yield counter(
+            "kv_fetch_failures",
+            "Prefix fetches that failed or found nothing (the request computed instead).",
+            total("kv_fetch_failures"),
+        )
+        yield counter(
+            "kv_fetched_tokens",
+            "Prompt tokens whose K/V was fetched from another replica instead of computed.",
+            total("kv_fetched_tokens"),
+        )
+        yield counter("kv_exports", "Prefixes copied out to another replica.", total("kv_exports"))
+        yield _fetch_seconds(labels, stats)
+
+
+def _fetch_seconds(labels: list[str], stats: list[dict[str, Any]]) -> Metric:
+    """The prefix fetches' durations (request to K/V in place), summed over engines."""
+    from kvray.cluster.kv_transfer import FETCH_BUCKETS_S
+
+    counts = [0] * (len(FETCH_BUCKETS_S) + 1)
+    for s in stats:
+        for i, n in enumerate(s.get("kv_fetch_seconds_buckets", ())):
+            counts[i] += n
+    h = HistogramMetricFamily(
+        "kvray:kv_fetch_seconds",
+        "Time to fetch a prompt prefix's K/V from another replica.",
+        labels=["model_name"],
+    )
+    bounds = [str(b) for b in FETCH_BUCKETS_S] + ["+Inf"]
+    total = float(sum(s.get("kv_fetch_seconds_sum", 0.0) for s in stats))
+    h.add_metric(labels, list(zip(bounds, counts, strict=True)), total)
+    return h
 
 
 # The prefix router's decisions in this process (kvray.deploy.router): "prefix" (the
@@ -222,6 +270,11 @@ class RouterCollector(Collector):
             decisions.add_metric([*labels, decision], float(stats.get(decision, 0)))
         yield decisions
         for name, key, doc in (
+            (
+                "router_kv_source_hints",
+                "kv_source_hints",
+                "Requests sent to a replica with another one named to fetch their prefix from.",
+            ),
             ("router_prompt_tokens", "tokens", "Prompt tokens of the requests routed."),
             (
                 "router_matched_tokens",

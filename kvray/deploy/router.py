@@ -94,13 +94,27 @@ class _EngineView:
         self.routed = {k: t for k, t in self.routed.items() if t >= now}
 
 
-class PrefixRouter(RequestRouter):
+class EngineFollowingRouter(RequestRouter):
+    """Base of kvray's routers: follows every replica's engine (its prefix digest and
+    load) and, with `share_kv`, tells the replica a request is routed to which other
+    replica holds at least `share_kv_min_tokens` more of its prompt, so it fetches that
+    prefix's K/V (kvray.cluster.kv_transfer) instead of computing it. Subclasses choose."""
+
     def initialize_state(
-        self, app_name: str = "", load_margin: int = 4, routed_ttl_s: float = ROUTED_TTL_S
+        self,
+        app_name: str = "",
+        page_size: int = 0,
+        load_margin: int = 4,
+        routed_ttl_s: float = ROUTED_TTL_S,
+        share_kv: bool = False,
+        share_kv_min_tokens: int = 256,
     ) -> None:
         self._app_name = app_name
+        self._page = page_size  # the engines' (one deployment: one config); 0: learn it
         self._load_margin = load_margin
         self._routed_ttl_s = routed_ttl_s
+        self._share_kv = share_kv
+        self._share_kv_min_tokens = share_kv_min_tokens
         self._views: dict[ReplicaID, _EngineView] = {}
         self._polls: dict[ReplicaID, asyncio.Task[None]] = {}
 
@@ -110,9 +124,13 @@ class PrefixRouter(RequestRouter):
         for rid in list(self._polls):
             if rid not in live:
                 self._forget(rid)
-        for rid in live - set(self._polls):
+        for rid in live - set(self._polls) if self._follows_engines else ():
             view = self._views[rid] = _EngineView()
             self._polls[rid] = self._event_loop.create_task(self._follow(rid, view))
+
+    @property
+    def _follows_engines(self) -> bool:
+        return True
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -157,6 +175,52 @@ class PrefixRouter(RequestRouter):
         engine = view.load if view is not None else 0
         return max(self._replica_queue_len_cache.get(rid) or 0, engine)
 
+    def _view(self, replica: RunningReplica) -> _EngineView:
+        view = self._views.get(replica.replica_id)
+        return view if view is not None else _EngineView()
+
+    def _page_size(self) -> int:
+        if not self._page:
+            self._page = next((v.digest.page_size for v in self._views.values()), 0)
+        return self._page
+
+    def _matches(
+        self, ids: Sequence[int], replicas: Sequence[RunningReplica]
+    ) -> tuple[list[int], dict[ReplicaID, int]]:
+        """(the prompt's chain keys, whole pages of it each replica holds)."""
+        page_size = self._page_size()
+        keys = page_keys(ids, page_size) if page_size else []
+        now = time.monotonic()
+        return keys, {r.replica_id: self._view(r).matched_pages(keys, now) for r in replicas}
+
+    def _routed(
+        self,
+        request: PendingRequest | None,
+        chosen: RunningReplica,
+        keys: list[int],
+        matched: dict[ReplicaID, int],
+    ) -> None:
+        """Bookkeeping of a decision: the prompt counts as held by `chosen` until its
+        digest says so; with `share_kv`, the request names the replica to fetch from."""
+        view = self._views.get(chosen.replica_id)
+        if view is not None and keys:
+            view.routed.update(dict.fromkeys(keys, time.monotonic() + self._routed_ttl_s))
+        if request is None:
+            return
+        request.kwargs.pop("kv_source", None)  # (a request may be routed more than once)
+        if not self._share_kv or not matched:
+            return
+        holder = max(matched, key=matched.__getitem__)
+        gain = (matched[holder] - matched[chosen.replica_id]) * self._page_size()
+        view = self._views.get(holder)
+        if gain >= self._share_kv_min_tokens and view is not None and view.alive:
+            request.kwargs["kv_source"] = scheduler_name(self._app_name, holder.unique_id)
+            metrics.ROUTER_STATS["kv_source_hints"] += 1
+
+
+class PrefixRouter(EngineFollowingRouter):
+    """The longest exact prefix match, unless its replica is loaded past the margin."""
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -173,15 +237,9 @@ class PrefixRouter(RequestRouter):
         )
         least = by_load[0]
         ids = _token_ids(pending_request)
-        page_size = self._page_size()
-        if ids is None or not page_size:
+        if ids is None or not self._page_size():
             return [[least], by_load[1:]]
-        keys = page_keys(ids, page_size)
-        now = time.monotonic()
-        matched = {}
-        for r in candidate_replicas:
-            view = self._views.get(r.replica_id)
-            matched[r.replica_id] = view.matched_pages(keys, now) if view is not None else 0
+        keys, matched = self._matches(ids, candidate_replicas)
         best = max(by_load, key=lambda r: matched[r.replica_id])  # first max: less loaded
         if matched[best.replica_id] == 0:
             chosen, decision = least, "no_match"
@@ -191,27 +249,23 @@ class PrefixRouter(RequestRouter):
             chosen, decision = best, "prefix"
         metrics.ROUTER_STATS[decision] += 1
         metrics.ROUTER_STATS["tokens"] += len(ids)
-        metrics.ROUTER_STATS["matched_tokens"] += matched[chosen.replica_id] * page_size
-        view = self._views.get(chosen.replica_id)
-        if view is not None:
-            until = now + self._routed_ttl_s
-            view.routed.update(dict.fromkeys(keys, until))
+        metrics.ROUTER_STATS["matched_tokens"] += matched[chosen.replica_id] * self._page_size()
+        self._routed(pending_request, chosen, keys, matched)
         # If the chosen replica cannot take it now (full), Serve tries the rest, by load.
         return [[chosen], [r for r in by_load if r is not chosen]]
 
-    def _view(self, replica: RunningReplica) -> _EngineView:
-        view = self._views.get(replica.replica_id)
-        return view if view is not None else _EngineView()
 
-    def _page_size(self) -> int:
-        return next((v.digest.page_size for v in self._views.values() if v.digest.page_size), 0)
+class RoundRobinRouter(EngineFollowingRouter):
+    """Each request to the next replica in turn (replica ids in a fixed order), whatever
+    they hold; with `share_kv` the chosen one fetches what another holds."""
 
-
-class RoundRobinRouter(RequestRouter):
-    """Each request to the next replica in turn (replica ids in a fixed order)."""
-
-    def initialize_state(self, **_: Any) -> None:
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state(**kwargs)
         self._turn = itertools.count()
+
+    @property
+    def _follows_engines(self) -> bool:
+        return self._share_kv
 
     async def choose_replicas(
         self,
@@ -222,20 +276,40 @@ class RoundRobinRouter(RequestRouter):
             return []
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         i = next(self._turn) % len(ordered)
-        return [[ordered[i]], ordered[i + 1 :] + ordered[:i]]
+        chosen = ordered[i]
+        ids = _token_ids(pending_request)
+        if ids is not None and self._share_kv:
+            keys, matched = self._matches(ids, ordered)
+            self._routed(pending_request, chosen, keys, matched)
+        return [[chosen], ordered[i + 1 :] + ordered[:i]]
 
 
-def router_config(router: str, app_name: str, load_margin: int) -> Any:
+def router_config(
+    router: str,
+    app_name: str,
+    page_size: int,
+    load_margin: int,
+    share_kv: bool = False,
+    share_kv_min_tokens: int = 256,
+) -> Any:
     """The engine deployment's `request_router_config` for a `--router` choice."""
     from ray.serve.config import RequestRouterConfig
 
+    kwargs = {
+        "app_name": app_name,
+        "page_size": page_size,
+        "load_margin": load_margin,
+        "share_kv": share_kv,
+        "share_kv_min_tokens": share_kv_min_tokens,
+    }
     if router == "pow2":
+        if share_kv:
+            raise ValueError("--share-kv needs --router prefix or round-robin")
         return RequestRouterConfig()
     if router == "round-robin":
-        return RequestRouterConfig(request_router_class=RoundRobinRouter)
-    if router == "prefix":
         return RequestRouterConfig(
-            request_router_class=PrefixRouter,
-            request_router_kwargs={"app_name": app_name, "load_margin": load_margin},
+            request_router_class=RoundRobinRouter, request_router_kwargs=kwargs
         )
+    if router == "prefix":
+        return RequestRouterConfig(request_router_class=PrefixRouter, request_router_kwargs=kwargs)
     raise ValueError(f"unknown router {router!r}: one of {', '.join(ROUTERS)}")

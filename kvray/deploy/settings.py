@@ -53,6 +53,15 @@ class ServeConfig(EngineConfig):
         description="prefix routing sends a request to the least loaded replica instead "
         "once the best-matching one has more than this many more requests in flight",
     )
+    share_kv: bool = Field(
+        default=False,
+        description="a replica routed a request whose prompt prefix another replica caches "
+        "(share_kv_min_tokens more of it) copies that prefix's K/V from it through Ray's "
+        "object store instead of computing it (router prefix or round-robin)",
+    )
+    share_kv_min_tokens: int = Field(
+        default=256, gt=0, description="the least gain in cached tokens worth a K/V fetch"
+    )
     app_name: str = Field(default="kvray", min_length=1, description="the Serve app's name")
     api_key: str | None = Field(
         default=None,
@@ -70,6 +79,13 @@ class ServeConfig(EngineConfig):
         json_schema_extra=cli_aliases("--compiled-graph"),
     )
     worker_cpus: float = Field(default=1.0, ge=0, description="CPUs each TP worker reserves")
+    worker_threads: int | None = Field(
+        default=None,
+        gt=0,
+        description="torch threads of each CPU TP worker; unset: the node's cores shared by "
+        "every worker of every replica (cores / (tp_size x replicas)), as if all ran on one "
+        "node: set it on a multi-node CPU cluster",
+    )
     public_paths: tuple[PublicPath, ...] = Field(
         default=(),
         description="paths left open when an API key is set (/health always is)",
@@ -98,6 +114,13 @@ class ServeConfig(EngineConfig):
     def _blank_is_unset(cls, value: object) -> object:
         """An empty string (e.g. an unset Helm value) means the default."""
         return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def threads_per_worker(self) -> int:
+        """`worker_threads`, or the default it describes."""
+        if self.worker_threads is not None:
+            return self.worker_threads
+        return max(1, (os.cpu_count() or 1) // (self.tp_size * self.replicas))
 
     @property
     def routing(self) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvray.kvcache.base import BaseKVCachePool, div_even
@@ -64,6 +66,20 @@ class MHAKVCache(BaseKVCachePool):
         idx = out_loc.to(device=self._kv_buffer.device, dtype=torch.long)
         self.k_flat(layer_id).index_copy_(0, idx, k.to(self.dtype))
         self.v_flat(layer_id).index_copy_(0, idx, v.to(self.dtype))
+
+    def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
+        """A copy of whole pages' K/V, all layers: `(2, num_layers, len(pages), page_size,
+        local_kv_heads, head_dim)`, on the CPU (to leave this process)."""
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self._kv_buffer.device)
+        return self._kv_buffer.index_select(2, idx).cpu()
+
+    def write_pages(self, pages: Sequence[int], kv: torch.Tensor) -> None:
+        """Overwrite whole pages with K/V laid out as `read_pages` returns it."""
+        want = (*self._kv_buffer.shape[:2], len(pages), *self._kv_buffer.shape[3:])
+        if tuple(kv.shape) != want or kv.dtype != self.dtype:
+            raise ValueError(f"K/V of shape {tuple(kv.shape)} {kv.dtype}, need {want} {self.dtype}")
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self._kv_buffer.device)
+        self._kv_buffer.index_copy_(2, idx, kv.to(self._kv_buffer.device))
 
     @property
     def buffer_shape(self) -> tuple[int, ...]:

@@ -1,23 +1,48 @@
 """CacheManager: hands out KV pages and moves them between requests and the prefix cache.
 
-Every schedulable page is, at any moment, in exactly one of three places:
+Every schedulable page is, at any moment, in exactly one of four places:
   1. `free_slots` (the page's start slot is on the free stack),
   2. the prefix cache (a tree node holds it; locked or evictable),
   3. private to one live request: the pages of its page_table row from
-     `cache_handle.cached_len` up to `alloc_len(req)`.
+     `cache_handle.cached_len` up to `alloc_len(req)`,
+  4. reserved by an import in progress (`ImportLease`: K/V of a prefix copied in from
+     another engine, entering the prefix cache once written).
 `check_integrity` asserts this partition. The dummy page (index num_pages) is never
 handed out.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvray.core import Req, div_ceil
 from kvray.kvcache.base import BaseCacheHandle, BasePrefixCache
 from kvray.scheduler.table import TableManager
+
+
+@dataclass(eq=False)
+class ExportLease:
+    """Cached pages being copied out to another engine: locked in the tree until `end`."""
+
+    handle: BaseCacheHandle
+    pages: list[int]  # page indices of tokens [start, tokens) of the prefix
+    tokens: int  # the prefix's cached length
+    uid: int = field(default_factory=itertools.count().__next__)
+
+
+@dataclass(eq=False)
+class ImportLease:
+    """A prefix whose K/V is being copied in: the locally cached part stays locked, and
+    `pages` (once reserved) hold the rest until it enters the tree."""
+
+    handle: BaseCacheHandle  # the locally cached prefix, locked
+    start: int  # its length: the import continues from here
+    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # starts
+    uid: int = field(default_factory=itertools.count().__next__)
 
 
 def alloc_len(req: Req, page_size: int) -> int:
@@ -45,6 +70,8 @@ class CacheManager:
         self._num_free = num_pages
         self._offsets = np.arange(page_size, dtype=np.int32)
         self.evicted_pages = 0  # monotonic counter
+        self._importing: dict[int, np.ndarray] = {}  # ImportLease.uid -> its reserved pages
+        self.leases = 0  # export and import leases open (each locks a prefix)
 
     # -- pages ------------------------------------------------------------------------------
 
@@ -158,6 +185,60 @@ class CacheManager:
             self.unlock(old)
             req.cache_handle = new
 
+    # -- prefixes shared between engines (kvray.cluster: export on one, import on another) --
+
+    def lease_export(self, input_ids: Sequence[int], start: int) -> ExportLease | None:
+        """Lock the cached prefix of `input_ids` for copying out its pages from token
+        `start` (a page boundary) on; None if it holds no whole page past `start`."""
+        handle = self.prefix_cache.match_prefix(input_ids)
+        ps = self.page_size
+        if start % ps or handle.cached_len - start < ps:
+            return None
+        self.lock(handle)
+        self.leases += 1
+        slots = handle.get_matched_indices()[start : handle.cached_len : ps]
+        return ExportLease(handle, (slots // ps).tolist(), handle.cached_len)
+
+    def end_export(self, lease: ExportLease) -> None:
+        self.unlock(lease.handle)
+        self.leases -= 1
+
+    def lease_import(self, input_ids: Sequence[int]) -> ImportLease:
+        """Lock the locally cached prefix of `input_ids`, which an import extends."""
+        handle = self.prefix_cache.match_prefix(input_ids)
+        self.lock(handle)
+        self.leases += 1
+        return ImportLease(handle, handle.cached_len)
+
+    def reserve_import(self, lease: ImportLease, num_pages: int) -> list[int]:
+        """Pages for the imported K/V (evicting if need be; raises if there are not
+        enough); returns their page indices."""
+        pages = self._allocate(num_pages)
+        lease.pages = pages
+        self._importing[lease.uid] = pages
+        return (pages // self.page_size).tolist()
+
+    def end_import(self, lease: ImportLease, input_ids: Sequence[int], written: bool) -> int:
+        """Settle an import: if its pages were `written`, the prefix they extend enters the
+        tree (pages the tree meanwhile got elsewhere are freed), else they are freed.
+        Unlocks the local prefix. Returns the tokens added to the cache."""
+        pages = self._importing.pop(lease.uid, None)
+        added = 0
+        if pages is not None and len(pages):
+            new = self._page_to_token(pages)
+            if written:
+                end = lease.start + len(new)
+                indices = np.concatenate([lease.handle.get_matched_indices(), new])
+                prefix_len, _ = self.prefix_cache.insert_prefix(input_ids[:end], indices)
+                dup = max(prefix_len - lease.start, 0)
+                self._free(new[:dup].copy())
+                added = end - max(prefix_len, lease.start)
+            else:
+                self._free(new)
+        self.unlock(lease.handle)
+        self.leases -= 1
+        return added
+
     def flush(self) -> None:
         """Drop every unlocked prefix from the cache (their pages become free)."""
         self._free(self.prefix_cache.evict(self.prefix_cache.size_info.evictable_size))
@@ -168,7 +249,7 @@ class CacheManager:
         """Assert the page partition described in the module docstring."""
         ps = self.page_size
         self.prefix_cache.check_integrity()
-        owned = [self.free_slots, self.prefix_cache.all_indices()[::ps]]
+        owned = [self.free_slots, self.prefix_cache.all_indices()[::ps], *self._importing.values()]
         for req in live:
             handle = req.cache_handle
             assert handle is not None, f"live request {req.rid} holds no cache handle"

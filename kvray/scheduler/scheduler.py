@@ -482,7 +482,7 @@ class Scheduler:
         assert len(rows) + len(free_rows) == self.table.max_running_reqs, "a row leaked"
         for req in self.waiting:
             assert req.table_idx == -1 and req.cache_handle is None, "waiting request holds state"
-        if not self.running:
+        if not self.running and not self.cache.leases:
             info = self.cache.prefix_cache.size_info
             assert info.protected_size == 0, "a prefix is locked with nothing running"
 

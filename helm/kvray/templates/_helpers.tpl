@@ -143,6 +143,9 @@ each other and that would otherwise leave placement groups pending forever.
       "placement_strategy" $e.placementStrategy
       "compiled" $e.compiledGraph
       "worker_cpus" $e.workerCpus
+      "worker_threads" $e.workerThreads
+      "router" .Values.serve.router
+      "router_load_margin" (int .Values.serve.routerLoadMargin)
       "seed" (int $e.seed)
       "device" (include "kvray.device" .)
       "special_tokens_in_messages" .Values.serve.specialTokensInMessages
