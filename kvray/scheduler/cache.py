@@ -216,7 +216,7 @@ class CacheManager:
         pages = self._allocate(num_pages)
         lease.pages = pages
         self._importing[lease.uid] = pages
-        return (pages // self.page_size).tolist()
+        return [int(p) for p in pages // self.page_size]
 
     def end_import(self, lease: ImportLease, input_ids: Sequence[int], written: bool) -> int:
         """Settle an import: if its pages were `written`, the prefix they extend enters the
