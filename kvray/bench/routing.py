@@ -2,7 +2,7 @@
 
     kvray bench prefix --replicas 2 [--router round-robin pow2 prefix] [--share-kv]
                        [--conversations 11]
-                       [--turns 4] [--opening-len 512] [--user-len 48] [--output-len 16]
+                       [--turns 4] [--opening-len 1024] [--user-len 128] [--output-len 32]
                        [--json PATH]
 
 The workload: `--conversations` chats, each opening with its own `--opening-len` random
@@ -43,9 +43,9 @@ APP = "kvray-bench-routing"
 class Workload:
     conversations: int = 11  # odd: round-robin moves a conversation at every turn
     turns: int = 4
-    opening_len: int = 512
-    user_len: int = 48
-    output_len: int = 16
+    opening_len: int = 1024
+    user_len: int = 128
+    output_len: int = 32
     seed: int = 0
 
     def max_len(self) -> int:
@@ -253,6 +253,12 @@ def print_report(report: dict[str, Any]) -> None:
         ],
         rows,
     )
+    for name, r in res.items():
+        if r["decisions"]:
+            print(
+                f"{name}: router counts {r['decisions']}, fetches {r['fetches']} "
+                f"(failed {r['fetch_failures']})"
+            )
     if "ttft_p50_ratio_round_robin_over_prefix" in report["summary"]:
         ratio = report["summary"]["ttft_p50_ratio_round_robin_over_prefix"]
         print(f"TTFT p50 round-robin / prefix: {ratio:.2f}x")
@@ -273,9 +279,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--conversations", type=int, default=11)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--opening-len", type=int, default=512)
-    ap.add_argument("--user-len", type=int, default=48)
-    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--opening-len", type=int, default=1024)
+    ap.add_argument("--user-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -284,7 +290,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", default=None, help="write the report here (and a .png plot)")
     args = ap.parse_args(argv)
     if args.num_pages is None:  # every conversation's whole history fits in one engine
-        w = Workload(args.conversations, args.turns, args.opening_len, args.user_len)
+        w = Workload(
+            args.conversations, args.turns, args.opening_len, args.user_len, args.output_len
+        )
         args.num_pages = args.conversations * (w.max_len() // args.page_size + 2) + 64
     report = run(args)
     print_report(report)

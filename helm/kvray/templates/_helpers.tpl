@@ -146,6 +146,8 @@ each other and that would otherwise leave placement groups pending forever.
       "worker_threads" $e.workerThreads
       "router" .Values.serve.router
       "router_load_margin" (int .Values.serve.routerLoadMargin)
+      "share_kv" .Values.serve.shareKv
+      "share_kv_min_tokens" (int .Values.serve.shareKvMinTokens)
       "seed" (int $e.seed)
       "device" (include "kvray.device" .)
       "special_tokens_in_messages" .Values.serve.specialTokensInMessages
