@@ -8,8 +8,9 @@ replicas of a tiny random Llama (TP 1, float32), `--router prefix`.
   decision), which fetches the history's K/V from the loaded one (--share-kv) instead of
   computing it, with the same tokens; an export's page locks never outlive its call, and a
   fetch that cannot happen leaves the request to compute;
-- with one replica's engine killed, requests keep being served by the other one: none that
-  had not started on the dead engine is lost, and the app serves again.
+- with one replica killed mid-run, requests keep being served by the other one: none that
+  had not started on the dead replica is lost, and the app serves again once Serve has
+  replaced it.
 Page accounting balances on every live engine after each test.
 """
 
@@ -272,7 +273,7 @@ def _stream(base: str, prompt: list[int], out: dict[str, Any]) -> None:
                         out["text"] += "".join(ch["text"] for ch in event["choices"])
 
 
-def test_killing_an_engine_keeps_the_app_serving(
+def test_killing_a_replica_keeps_the_app_serving(
     server: str, http: httpx.Client, hf: Any, tokenizer_for_tiny: Any
 ) -> None:
     import threading
@@ -289,7 +290,14 @@ def test_killing_an_engine_keeps_the_app_serving(
         t.start()
     time.sleep(0.5)  # all four are running, spread over both engines
     victim = sorted(engines)[0]
-    ray.kill(engines[victim])
+    # Kill the whole Serve replica (its engine's actors die with it), requests in flight.
+    tag = victim[len(SCHEDULER_PREFIX) :]
+    (replica,) = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(f"#{tag}")
+    ]
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
     # Requests that arrive now never start on the dead engine: all are served.
     for i in range(4):
         prompt = opening(40 + i)[:60]

@@ -8,9 +8,9 @@
 The workload: `--conversations` chats, each opening with its own `--opening-len` random
 token ids; every turn resends the whole history (the opening, every earlier reply and user
 message) plus a new `--user-len`-token user message and asks for `--output-len` tokens
-(greedy, ignore_eos). All conversations run at once, each sending its next turn when its
-reply is in, so turns of different conversations arrive interleaved, as from independent
-clients.
+(greedy, ignore_eos). Conversation c starts at c x `--stagger-s` and sends each next
+turn `--think-s` after its reply is in (a user reading and typing), so turns of different
+conversations arrive interleaved, as from independent clients.
 
 For each router the app is started fresh on a local Ray cluster (`--replicas` engine
 replicas, TP 1) and the workload runs through the engine deployment's handle, so Serve's
@@ -46,6 +46,8 @@ class Workload:
     opening_len: int = 1024
     user_len: int = 128
     output_len: int = 32
+    think_s: float = 1.0  # a user's pause between a reply and the next turn
+    stagger_s: float = 0.5  # conversation c starts at c x this
     seed: int = 0
 
     def max_len(self) -> int:
@@ -62,6 +64,7 @@ class RouterResult:
     fetched_tokens: int  # prompt tokens whose K/V came from another replica (--share-kv)
     fetches: int
     fetch_failures: int
+    fetch_seconds_mean: float
     ttft_p50_s: float
     ttft_p99_s: float
     output_tok_s: float
@@ -87,7 +90,10 @@ async def _conversation(
     history = rng.integers(lo, hi, w.opening_len).tolist()
     sampling = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
     out = 0
-    for _ in range(w.turns):
+    await asyncio.sleep(c * w.stagger_s)
+    for turn in range(w.turns):
+        if turn:
+            await asyncio.sleep(w.think_s)
         prompt = history + rng.integers(lo, hi, w.user_len).tolist()
         start = time.perf_counter()
         stream = await client.generate(prompt, sampling)
@@ -122,6 +128,7 @@ def run_router(
         replicas=replicas,
         router=router,
         share_kv=share_kv,
+        share_kv_min_tokens=args.share_kv_min_tokens,
         page_size=args.page_size,
         num_pages=args.num_pages,
         app_name=app,
@@ -156,7 +163,7 @@ def run_router(
     finally:
         serve.delete(app)
 
-    def moved(key: str) -> int:
+    def moved(key: str) -> Any:
         return sum(s[key] for s in after) - sum(s[key] for s in before)
 
     return RouterResult(
@@ -168,6 +175,7 @@ def run_router(
         fetched_tokens=moved("kv_fetched_tokens"),
         fetches=moved("kv_fetches"),
         fetch_failures=moved("kv_fetch_failures"),
+        fetch_seconds_mean=moved("kv_fetch_seconds_sum") / max(moved("kv_fetches"), 1),
         ttft_p50_s=float(np.percentile(ttfts, 50)),
         ttft_p99_s=float(np.percentile(ttfts, 99)),
         output_tok_s=out_tokens / total,
@@ -181,7 +189,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     w = Workload(
-        args.conversations, args.turns, args.opening_len, args.user_len, args.output_len, args.seed
+        args.conversations,
+        args.turns,
+        args.opening_len,
+        args.user_len,
+        args.output_len,
+        args.think_s,
+        args.stagger_s,
+        args.seed,
     )
     if not ray.is_initialized():
         ray.init(num_cpus=max(8, 2 * args.replicas), include_dashboard=False)
@@ -257,7 +272,7 @@ def print_report(report: dict[str, Any]) -> None:
         if r["decisions"]:
             print(
                 f"{name}: router counts {r['decisions']}, fetches {r['fetches']} "
-                f"(failed {r['fetch_failures']})"
+                f"(failed {r['fetch_failures']}, mean {r['fetch_seconds_mean'] * 1e3:.0f} ms)"
             )
     if "ttft_p50_ratio_round_robin_over_prefix" in report["summary"]:
         ratio = report["summary"]["ttft_p50_ratio_round_robin_over_prefix"]
@@ -277,6 +292,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="also run each router (but pow2) with --share-kv: round-robin + share-kv routes "
         "every follow-up away from the replica holding it, which then fetches its K/V",
     )
+    ap.add_argument(
+        "--share-kv-min-tokens",
+        type=int,
+        default=64,
+        help="with --share-kv: the least gain worth a fetch (the server's default is 256)",
+    )
+    ap.add_argument("--think-s", type=float, default=1.0, help="pause before each next turn")
+    ap.add_argument("--stagger-s", type=float, default=0.5, help="between conversation starts")
     ap.add_argument("--conversations", type=int, default=11)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--opening-len", type=int, default=1024)

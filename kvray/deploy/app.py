@@ -169,12 +169,15 @@ class ServeEngineClient:
                 err = _unwrap(e)
                 if isinstance(err, RequestRejected):
                     raise err from None
-                if isinstance(err, EngineGone) and attempt + 1 < SUBMIT_TRIES:
-                    # Nothing started: the router leaves a silent engine out once it
-                    # notices (its digest poll fails), so a retry goes elsewhere.
+                # A replica (or its engine) gone before the request started there: its
+                # engine died with it, so nothing runs twice if it is routed again. The
+                # router leaves a silent engine out once it notices, so a retry goes
+                # elsewhere.
+                gone = isinstance(err, EngineGone | ray.exceptions.RayActorError)
+                if gone and attempt + 1 < SUBMIT_TRIES:
                     await asyncio.sleep(0.05 * (attempt + 1))
                     continue
-                if isinstance(err, EngineGone):
+                if gone:
                     raise APIError(
                         503,
                         f"no engine could take the request ({SUBMIT_TRIES} were gone)",
