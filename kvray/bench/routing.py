@@ -2,7 +2,7 @@
 
     kvray bench prefix --replicas 2 [--router round-robin pow2 prefix] [--share-kv]
                        [--conversations 11]
-                       [--turns 4] [--opening-len 1024] [--user-len 128] [--output-len 32]
+                       [--turns 6] [--opening-len 1024] [--user-len 128] [--output-len 32]
                        [--json PATH]
 
 The workload: `--conversations` chats, each opening with its own `--opening-len` random
@@ -18,7 +18,13 @@ routing (the router under test, in this process) picks every request's replica; 
 stream straight from the engines, as the HTTP ingress reads them. A single replica (the
 ideal: one cache holds every conversation) runs the same workload first. Measured per
 router: prefill tokens computed over all engines, prefix-cache hit rate (hit / looked-up
-prompt tokens), TTFT p50 / p99 (submit to first token), output tokens/s.
+prompt tokens), TTFT p50 / p99 (submit to first token; p50 also over follow-up turns
+only), output tokens/s.
+
+With `--share-kv`, a second comparison: two-turn conversations whose follow-up is routed
+away from the replica holding the conversation (`AwayRouter`: the replica holding the
+least of the prompt), which either recomputes the history or, with --share-kv, fetches
+its K/V from the holder (kvray.cluster.kv_transfer); follow-up TTFT p50 side by side.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ import argparse
 import asyncio
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from kvray.bench.report import machine_info, print_table, write_bars, write_json
 from kvray.core import SamplingParams
+from kvray.deploy.router import EngineFollowingRouter, _token_ids
 
 ROUTERS = ("round-robin", "pow2", "prefix")
 APP = "kvray-bench-routing"
@@ -42,7 +49,7 @@ APP = "kvray-bench-routing"
 @dataclass(frozen=True)
 class Workload:
     conversations: int = 11  # odd: round-robin moves a conversation at every turn
-    turns: int = 4
+    turns: int = 6
     opening_len: int = 1024
     user_len: int = 128
     output_len: int = 32
@@ -67,6 +74,7 @@ class RouterResult:
     fetch_seconds_mean: float
     ttft_p50_s: float
     ttft_p99_s: float
+    follow_up_ttft_p50_s: float  # turns after the first
     output_tok_s: float
     total_s: float
     requests: int
@@ -84,7 +92,7 @@ def _engine_stats(app: str) -> list[dict[str, Any]]:
 
 
 async def _conversation(
-    client: Any, w: Workload, c: int, rng: np.random.Generator, ttfts: list[float]
+    client: Any, w: Workload, c: int, rng: np.random.Generator, ttfts: list[tuple[int, float]]
 ) -> int:
     lo, hi = 100, 40_000
     history = rng.integers(lo, hi, w.opening_len).tolist()
@@ -104,11 +112,34 @@ async def _conversation(
                     raise RuntimeError(f"conversation {c}: {ev.error}")
                 if ev.token_id is not None:
                     if not reply:
-                        ttfts.append(time.perf_counter() - start)
+                        ttfts.append((turn, time.perf_counter() - start))
                     reply.append(ev.token_id)
         out += len(reply)
         history = prompt + reply
     return out
+
+
+class AwayRouter(EngineFollowingRouter):
+    """Routing forced away from the holder: each request to the replica holding the least
+    of its prompt (ties: the less loaded), so a follow-up never lands where its
+    conversation is cached. With `share_kv` that replica fetches the prefix."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[Any],
+        pending_request: Any = None,
+    ) -> list[list[Any]]:
+        if not candidate_replicas:
+            return []
+        ids = _token_ids(pending_request)
+        if ids is None:
+            return [candidate_replicas]
+        keys, matched = self._matches(ids, candidate_replicas)
+        ranked = sorted(
+            candidate_replicas, key=lambda r: (matched[r.replica_id], self._load(r.replica_id))
+        )
+        self._routed(pending_request, ranked[0], keys, matched)
+        return [[ranked[0]], ranked[1:]]
 
 
 def run_router(
@@ -126,23 +157,36 @@ def run_router(
         model=args.model,
         dtype=args.dtype,
         replicas=replicas,
-        router=router,
+        router=router if router != "away" else "prefix",
         share_kv=share_kv,
         share_kv_min_tokens=args.share_kv_min_tokens,
         page_size=args.page_size,
         num_pages=args.num_pages,
         app_name=app,
-        itl_target_ms=None,
     ).resolved()
     what = f"{router}{' + share-kv' if share_kv else ''} x {replicas} replica(s)"
     print(f"[bench] {what}: starting", file=sys.stderr, flush=True)
-    serve.run(build_app(settings), name=app, route_prefix=None)
+    request_router = None
+    if router == "away":
+        from ray.serve.config import RequestRouterConfig
+
+        request_router = RequestRouterConfig(
+            request_router_class=AwayRouter,
+            request_router_kwargs={
+                "app_name": app,
+                "page_size": args.page_size,
+                "share_kv": share_kv,
+                "share_kv_min_tokens": args.share_kv_min_tokens,
+            },
+        )
+        settings = settings.model_copy(update={"router": "prefix"})  # (replaced)
+    serve.run(build_app(settings, request_router), name=app, route_prefix=None)
     try:
         handle = serve.get_deployment_handle("EngineDeployment", app)
         client = ServeEngineClient(handle)
 
-        async def drive() -> tuple[int, list[float], float]:
-            ttfts: list[float] = []
+        async def drive() -> tuple[int, list[tuple[int, float]], float]:
+            ttfts: list[tuple[int, float]] = []
             rng = [np.random.default_rng((w.seed, c)) for c in range(w.conversations)]
             start = time.perf_counter()
             outs = await asyncio.gather(
@@ -176,8 +220,9 @@ def run_router(
         fetches=moved("kv_fetches"),
         fetch_failures=moved("kv_fetch_failures"),
         fetch_seconds_mean=moved("kv_fetch_seconds_sum") / max(moved("kv_fetches"), 1),
-        ttft_p50_s=float(np.percentile(ttfts, 50)),
-        ttft_p99_s=float(np.percentile(ttfts, 99)),
+        ttft_p50_s=float(np.percentile([t for _, t in ttfts], 50)),
+        ttft_p99_s=float(np.percentile([t for _, t in ttfts], 99)),
+        follow_up_ttft_p50_s=float(np.percentile([t for turn, t in ttfts if turn] or [0.0], 50)),
         output_tok_s=out_tokens / total,
         total_s=total,
         requests=len(ttfts),
@@ -203,8 +248,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = {"single": run_router("pow2", 1, args, w)}
     for router in args.router:
         results[router] = run_router(router, args.replicas, args, w)
-        if args.share_kv and router != "pow2":
-            results[f"{router} + share-kv"] = run_router(router, args.replicas, args, w, True)
+    # --share-kv: every follow-up forced away from the replica holding its conversation,
+    # which recomputes it or fetches it. Two turns: the first caches the history somewhere,
+    # the second (measured) lands elsewhere.
+    away = {}
+    if args.share_kv:
+        w2 = replace(w, turns=2)
+        away["recompute"] = run_router("away", args.replicas, args, w2)
+        away["share-kv"] = run_router("away", args.replicas, args, w2, True)
     ideal = results["single"].prefill_tokens
     summary = {}
     for name, r in results.items():
@@ -216,9 +267,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         summary["ttft_p50_ratio_round_robin_over_prefix"] = (
             results["round-robin"].ttft_p50_s / results["prefix"].ttft_p50_s
         )
-    if "round-robin + share-kv" in results:  # every follow-up routed away from its holder
+    if away:
+        summary["away_follow_up_ttft_p50_s_recompute"] = away["recompute"].follow_up_ttft_p50_s
+        summary["away_follow_up_ttft_p50_s_share_kv"] = away["share-kv"].follow_up_ttft_p50_s
         summary["ttft_p50_ratio_recompute_over_share_kv"] = (
-            results["round-robin"].ttft_p50_s / results["round-robin + share-kv"].ttft_p50_s
+            away["recompute"].follow_up_ttft_p50_s / away["share-kv"].follow_up_ttft_p50_s
         )
     return {
         "summary": summary,
@@ -231,6 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "machine": machine_info(),
         "results": {k: {**asdict(r), "hit_rate": r.hit_rate} for k, r in results.items()},
+        "away": {k: {**asdict(r), "hit_rate": r.hit_rate} for k, r in away.items()},
     }
 
 
@@ -248,6 +302,7 @@ def print_report(report: dict[str, Any]) -> None:
                 r["hit_rate"],
                 r["fetched_tokens"],
                 r["ttft_p50_s"],
+                r["follow_up_ttft_p50_s"],
                 r["ttft_p99_s"],
                 r["output_tok_s"],
             ]
@@ -263,6 +318,7 @@ def print_report(report: dict[str, Any]) -> None:
             "prefix hit rate",
             "K/V fetched",
             "TTFT p50 (s)",
+            "follow-ups p50",
             "TTFT p99 (s)",
             "out tok/s",
         ],
@@ -277,9 +333,22 @@ def print_report(report: dict[str, Any]) -> None:
     if "ttft_p50_ratio_round_robin_over_prefix" in report["summary"]:
         ratio = report["summary"]["ttft_p50_ratio_round_robin_over_prefix"]
         print(f"TTFT p50 round-robin / prefix: {ratio:.2f}x")
-    if "ttft_p50_ratio_recompute_over_share_kv" in report["summary"]:
+    away = report["away"]
+    if away:
+        print_table(
+            f"--share-kv: {c['conversations']} conversations x 2 turns, every follow-up "
+            "routed away from the replica holding its conversation",
+            ["follow-up", "prefill tokens", "K/V fetched", "fetches (failed)", "fetch mean (ms)",
+             "follow-up TTFT p50 (s)", "TTFT p99 (s)"],
+            [
+                [name, r["prefill_tokens"], r["fetched_tokens"],
+                 f"{r['fetches']} ({r['fetch_failures']})", r["fetch_seconds_mean"] * 1e3,
+                 r["follow_up_ttft_p50_s"], r["ttft_p99_s"]]
+                for name, r in away.items()
+            ],
+        )  # fmt: skip
         ratio = report["summary"]["ttft_p50_ratio_recompute_over_share_kv"]
-        print(f"TTFT p50 routed away from the holder, recomputing / fetching K/V: {ratio:.2f}x")
+        print(f"follow-up TTFT p50 away from the holder, recomputing / fetching K/V: {ratio:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -289,8 +358,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--share-kv",
         action="store_true",
-        help="also run each router (but pow2) with --share-kv: round-robin + share-kv routes "
-        "every follow-up away from the replica holding it, which then fetches its K/V",
+        help="also compare, with every follow-up routed away from the replica holding its "
+        "conversation, recomputing it against fetching its K/V (--share-kv)",
     )
     ap.add_argument(
         "--share-kv-min-tokens",
@@ -301,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--think-s", type=float, default=1.0, help="pause before each next turn")
     ap.add_argument("--stagger-s", type=float, default=0.5, help="between conversation starts")
     ap.add_argument("--conversations", type=int, default=11)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--opening-len", type=int, default=1024)
     ap.add_argument("--user-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 
+import ray
 import torch
 
 from kvray.core import StepPlan, StepResult
 from kvray.net import free_port
 from kvray.workers.dist import default_backend, init_tp_group
 from kvray.workers.worker import ModelWorker, WorkerSpec
+
+TRANSFER_GROUP = "kv_transfer"  # the concurrency group of page exports and imports
 
 
 class WorkerActor:
@@ -44,11 +47,13 @@ class WorkerActor:
         result = self.worker.execute(plan)
         return result if self.rank == 0 else None  # every rank computed it; one answers
 
+    @ray.method(concurrency_group=TRANSFER_GROUP)
     def export_pages(self, pages: list[int]) -> torch.Tensor:
         """A copy of this rank's K/V of whole pages (it goes to the object store)."""
         assert self.worker is not None
         return self.worker.kvcache.read_pages(pages)
 
+    @ray.method(concurrency_group=TRANSFER_GROUP)
     def import_pages(self, pages: list[int], kv: torch.Tensor) -> None:
         """Write K/V another engine's same rank exported into this rank's pages."""
         assert self.worker is not None

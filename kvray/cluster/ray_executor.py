@@ -19,7 +19,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvray.cluster.actors import WorkerActor
+from kvray.cluster.actors import TRANSFER_GROUP, WorkerActor
 from kvray.cluster.executor import Executor, WorkerFailure
 from kvray.core import StepPlan, StepResult
 from kvray.workers.worker import WorkerSpec
@@ -89,7 +89,11 @@ class RayExecutor(Executor):
             ) from None
         # Torch threads per CPU rank: the node's cores shared by the ranks, unless told.
         threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.tp_size)
-        remote_cls = ray.remote(WorkerActor)
+        # Prefix K/V transfers (kv_transfer) run on a thread of their own beside the steps:
+        # they touch only pages no step reads or writes meanwhile (locked in the tree, or
+        # reserved and not yet in it), so a fetch never waits for a step to finish.
+        groups = {} if self.compiled else {"concurrency_groups": {TRANSFER_GROUP: 1}}
+        remote_cls = ray.remote(**groups)(WorkerActor)
         self.actors = [
             remote_cls.options(
                 num_cpus=self._bundle["CPU"],

@@ -304,12 +304,14 @@ def live_placement_groups(prefix: str = "kvray-pg-") -> int:
     )
 
 
-def build_app(settings: ServeConfig) -> Application:
-    """The app for resolved settings (`ServeConfig.resolved`), as Serve replicas get it."""
+def build_app(settings: ServeConfig, request_router: Any = None) -> Application:
+    """The app for resolved settings (`ServeConfig.resolved`), as Serve replicas get it.
+    `request_router` (a Serve RequestRouterConfig) replaces the one `settings.router` names
+    (benchmarks route on purpose badly with it)."""
     from kvray.deploy.router import router_config
 
     raw = settings.model_dump()
-    router = router_config(
+    router = request_router or router_config(
         settings.routing,
         settings.app_name,
         settings.page_size,
