@@ -40,7 +40,7 @@ import numpy as np
 
 from kvray.bench.report import machine_info, print_table, write_bars, write_json
 from kvray.core import SamplingParams
-from kvray.deploy.router import EngineFollowingRouter, _token_ids
+from kvray.deploy.router import EngineFollowingRouter, token_ids
 
 ROUTERS = ("round-robin", "pow2", "prefix")
 APP = "kvray-bench-routing"
@@ -131,7 +131,7 @@ class AwayRouter(EngineFollowingRouter):
     ) -> list[list[Any]]:
         if not candidate_replicas:
             return []
-        ids = _token_ids(pending_request)
+        ids = token_ids(pending_request)
         if ids is None:
             return [candidate_replicas]
         keys, matched = self._matches(ids, candidate_replicas)

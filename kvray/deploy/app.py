@@ -230,8 +230,8 @@ class Ingress:
         self.model_name = name
         self.metrics = RequestMetrics(self.registry, name)
         self.registry.register(EngineCollector(name, lambda: engine_stats(s.app_name)))
-        if s.routing != "pow2":  # kvray's routers count their decisions here
-            self.registry.register(RouterCollector(name))
+        # kvray's routers count their decisions in this process (all zero with pow2).
+        self.registry.register(RouterCollector(name))
         self.state = ServerState()
 
     async def _healthy(self) -> bool:

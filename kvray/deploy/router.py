@@ -8,15 +8,22 @@ the router follows every replica's digest with a long poll (`SchedulerActor.pref
 one call returns every change since the last, or waits for a step to make some), so a
 finished turn's prefix is known to the router within about a step. A request's token ids
 (the ingress tokenizes before routing) give its chain keys, and the replica whose digest
-matches the most leading pages wins, unless its load (requests in flight, Serve's count)
-exceeds the least loaded replica's by more than `load_margin`; then the least loaded one
-wins. Ties go to the less loaded replica. Between a request's routing and its prefix
+matches the most leading pages wins, unless its load (requests in flight: Serve's count or
+the engine's running + waiting, whichever is higher) exceeds the least loaded replica's by
+more than `load_margin`; then the least loaded one wins (as it does when nothing matches;
+ties: the smaller cache). Between a request's routing and its prefix
 reaching the digest (its prefill done), the router counts the prompt as held by the replica
 it chose (for `routed_ttl_s`), so a burst sharing a new prefix lands together.
 
 The router never waits on an engine: routing reads only the local copies. A replica whose
-poll fails or hangs keeps its last known digest until Serve drops the replica (then its
-copy goes too), so a dead or slow engine costs routing quality, never a request.
+engine stops answering its poll is left out while another one answers, and Serve drops a
+dead replica (its copy goes too), so a dead or slow engine costs routing quality, never a
+request.
+
+With `share_kv`, a request routed to a replica that holds at least `share_kv_min_tokens`
+fewer of its tokens than another one carries that other engine's name (`kv_source`, a
+keyword argument of `EngineDeployment.generate`): the chosen engine fetches the prefix's
+K/V from it (kvray.cluster.kv_transfer) before computing the rest.
 
 Decisions are counted in this process (`metrics.ROUTER_STATS`), which is the ingress's:
 its /metrics exports them. (Serve ships a router class to the handle's process pickled by
@@ -57,7 +64,7 @@ def scheduler_name(app_name: str, replica_tag: str) -> str:
     return f"{SCHEDULER_PREFIX}{app_name}-{replica_tag}"
 
 
-def _token_ids(request: PendingRequest | None) -> Sequence[int] | None:
+def token_ids(request: PendingRequest | None) -> Sequence[int] | None:
     """The request's prompt token ids: `EngineDeployment.generate(input_ids, sampling)`."""
     if request is None or not request.args:
         return None
@@ -236,7 +243,7 @@ class PrefixRouter(EngineFollowingRouter):
             candidate_replicas, key=lambda r: (loads[r.replica_id], self._view(r).size)
         )
         least = by_load[0]
-        ids = _token_ids(pending_request)
+        ids = token_ids(pending_request)
         if ids is None or not self._page_size():
             return [[least], by_load[1:]]
         keys, matched = self._matches(ids, candidate_replicas)
@@ -277,7 +284,7 @@ class RoundRobinRouter(EngineFollowingRouter):
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         i = next(self._turn) % len(ordered)
         chosen = ordered[i]
-        ids = _token_ids(pending_request)
+        ids = token_ids(pending_request)
         if ids is not None and self._share_kv:
             keys, matched = self._matches(ids, ordered)
             self._routed(pending_request, chosen, keys, matched)
