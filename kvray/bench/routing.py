@@ -2,7 +2,7 @@
 
     kvray bench prefix --replicas 2 [--router round-robin pow2 prefix] [--share-kv]
                        [--conversations 11]
-                       [--turns 6] [--opening-len 1024] [--user-len 128] [--output-len 32]
+                       [--turns 6] [--opening-len 1024] [--user-len 64] [--output-len 128]
                        [--json PATH]
 
 The workload: `--conversations` chats, each opening with its own `--opening-len` random
@@ -51,8 +51,8 @@ class Workload:
     conversations: int = 11  # odd: round-robin moves a conversation at every turn
     turns: int = 6
     opening_len: int = 1024
-    user_len: int = 128
-    output_len: int = 32
+    user_len: int = 64  # chat: short user turns, longer replies
+    output_len: int = 128
     think_s: float = 1.0  # a user's pause between a reply and the next turn
     stagger_s: float = 0.5  # conversation c starts at c x this
     seed: int = 0
@@ -372,8 +372,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--conversations", type=int, default=11)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--opening-len", type=int, default=1024)
-    ap.add_argument("--user-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--user-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
