@@ -37,6 +37,15 @@ def build_tiny_checkpoint(kind: str, path, seed: int = 0, tokenizer: bool = True
 
 
 @pytest.fixture(scope="session")
+def ray_session() -> None:
+    """One local Ray cluster for the whole test session (Ray takes seconds to start)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict:
     """Every TINY_VARIANTS entry saved once per session (with a tokenizer):
     {name: (checkpoint dir, Hugging Face model)}."""

@@ -24,9 +24,9 @@ import httpx
 import pytest
 import ray
 from engine_checks import hf_greedy
+from serve.serve_helpers import running_app
 
 from kvray.core import SamplingParams
-from kvray.net import free_port
 
 APP = "kvray-route"
 SCHEDULER_PREFIX = f"kvray-scheduler-{APP}-"
@@ -43,12 +43,6 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def ray_session() -> None:
-    if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False)
-
-
-@pytest.fixture(scope="module")
 def hf(tiny_checkpoints: dict[str, Any]) -> Any:
     return tiny_checkpoints["llama"][1]
 
@@ -62,9 +56,6 @@ def tokenizer_for_tiny(tiny_checkpoints: dict[str, Any]) -> Any:
 
 @pytest.fixture(scope="module")
 def server(ray_session: None, tiny_checkpoints: dict[str, Any]) -> Iterator[str]:
-    from ray import serve
-
-    from kvray.deploy.app import start_app
     from kvray.deploy.settings import ServeConfig
 
     path, _ = tiny_checkpoints["llama"]
@@ -82,16 +73,8 @@ def server(ray_session: None, tiny_checkpoints: dict[str, Any]) -> Iterator[str]
         health_timeout_s=5.0,
     ).resolved()
     assert settings.routing == "prefix"  # the default with more than one replica
-    port = free_port()
-    serve.shutdown()  # a Serve left by an earlier module would keep its own HTTP port
-    start_app(settings, "127.0.0.1", port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.delete(APP)
-        finally:
-            serve.shutdown()
+    with running_app(settings) as url:
+        yield url
 
 
 @pytest.fixture

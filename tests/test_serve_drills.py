@@ -19,8 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-
-from kvray.net import free_port
+from serve.serve_helpers import running_app
 
 APP = "kvray-drill"
 SCHEDULER_PREFIX = f"kvray-scheduler-{APP}-"
@@ -35,16 +34,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def ray_session() -> None:
-    if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False)
-
-
-@pytest.fixture(scope="module")
 def drill_server(ray_session: None, tiny_checkpoints: dict[str, Any]) -> Iterator[str]:
-    from ray import serve
-
-    from kvray.deploy.app import start_app
     from kvray.deploy.settings import ServeConfig
 
     path, _ = tiny_checkpoints["llama"]
@@ -57,16 +47,8 @@ def drill_server(ray_session: None, tiny_checkpoints: dict[str, Any]) -> Iterato
         app_name=APP,
         health_timeout_s=5.0,
     ).resolved()
-    port = free_port()
-    serve.shutdown()  # a Serve left by an earlier module would keep its own HTTP port
-    start_app(settings, "127.0.0.1", port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.delete(APP)
-        finally:
-            serve.shutdown()
+    with running_app(settings) as url:
+        yield url
 
 
 def live_schedulers() -> list[Any]:

@@ -10,15 +10,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import ray
 
 from .serve_helpers import MAX_TOKENS_CAP, MAX_TOKENS_DEFAULT, serve_app
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> None:
-    if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False)
 
 
 @pytest.fixture(scope="package")

@@ -32,9 +32,6 @@ MAX_TOKENS_CAP = 1000
 def serve_app(model_dir: Path, **settings: Any) -> Iterator[str]:
     """Run the kvray Serve app (`settings`: ServeConfig fields); yields its root URL.
     Deletes it and stops Serve after."""
-    from ray import serve
-
-    from kvray.deploy.app import build_app
     from kvray.deploy.settings import ServeConfig
 
     resolved = ServeConfig(
@@ -46,15 +43,26 @@ def serve_app(model_dir: Path, **settings: Any) -> Iterator[str]:
         app_name=APP,
         **settings,
     ).resolved()
+    with running_app(resolved) as url:
+        yield url
+
+
+@contextmanager
+def running_app(settings: Any) -> Iterator[str]:
+    """Serve the app of resolved `settings` (a ServeConfig) over HTTP on a free port of
+    127.0.0.1; yields its root URL. Deletes it and stops Serve after."""
+    from ray import serve
+
+    from kvray.deploy.app import start_app
+
     port = free_port()
     serve.shutdown()  # a Serve left by an earlier module would keep its own HTTP port
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_app(settings, "127.0.0.1", port)
     try:
-        serve.run(build_app(resolved), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         try:
-            serve.delete(APP)
+            serve.delete(settings.app_name)
         finally:
             serve.shutdown()
 
