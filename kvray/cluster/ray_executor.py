@@ -92,8 +92,10 @@ class RayExecutor(Executor):
         # Prefix K/V transfers (kv_transfer) run on a thread of their own beside the steps:
         # they touch only pages no step reads or writes meanwhile (locked in the tree, or
         # reserved and not yet in it), so a fetch never waits for a step to finish.
-        groups = {} if self.compiled else {"concurrency_groups": {TRANSFER_GROUP: 1}}
-        remote_cls = ray.remote(**groups)(WorkerActor)
+        if self.compiled:
+            remote_cls = ray.remote(WorkerActor)
+        else:
+            remote_cls = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(WorkerActor)
         self.actors = [
             remote_cls.options(
                 num_cpus=self._bundle["CPU"],
