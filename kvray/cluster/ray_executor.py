@@ -91,11 +91,9 @@ class RayExecutor(Executor):
         threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.tp_size)
         # Prefix K/V transfers (kv_transfer) run on a thread of their own beside the steps:
         # they touch only pages no step reads or writes meanwhile (locked in the tree, or
-        # reserved and not yet in it), so a fetch never waits for a step to finish.
-        if self.compiled:
-            remote_cls = ray.remote(WorkerActor)
-        else:
-            remote_cls = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(WorkerActor)
+        # reserved and not yet in it), so a fetch never waits for a step to finish. (The
+        # group is declared under compiled graphs too: the methods name it.)
+        remote_cls = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(WorkerActor)
         self.actors = [
             remote_cls.options(
                 num_cpus=self._bundle["CPU"],
