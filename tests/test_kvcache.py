@@ -244,7 +244,7 @@ def test_digest_names_every_cached_page_and_followers_catch_up():
     # a follower of another epoch (or too far behind a bounded log) gets a snapshot
     late.apply(cache.digest.since(late.epoch, 0))
     assert late.keys == cache.digest.keys
-    small = PrefixDigest(ps, max_log=2)
+    small = PrefixDigest(max_log=2)
     small.add([1, 2, 3])
     assert small.since(small.epoch, 0).snapshot and small.since(small.epoch, 3).added == []
     small.remove([2])

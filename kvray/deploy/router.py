@@ -84,13 +84,8 @@ class _EngineView:
     routed: dict[int, float] = field(default_factory=dict)
 
     def matched_pages(self, keys: Sequence[int], now: float) -> int:
-        n = 0
-        held, routed = self.digest.keys, self.routed
-        for k in keys:
-            if k not in held and routed.get(k, 0.0) < now:
-                break
-            n += 1
-        return n
+        routed = self.routed
+        return self.digest.matched_pages(keys, lambda k: routed.get(k, 0.0) >= now)
 
     @property
     def size(self) -> int:
@@ -110,14 +105,14 @@ class EngineFollowingRouter(RequestRouter):
     def initialize_state(
         self,
         app_name: str = "",
-        page_size: int = 0,
+        page_size: int = 16,
         load_margin: int = 4,
         routed_ttl_s: float = ROUTED_TTL_S,
         share_kv: bool = False,
         share_kv_min_tokens: int = 256,
     ) -> None:
         self._app_name = app_name
-        self._page = page_size  # the engines' (one deployment: one config); 0: learn it
+        self._page_size = page_size  # the engines' (one deployment: one config)
         self._load_margin = load_margin
         self._routed_ttl_s = routed_ttl_s
         self._share_kv = share_kv
@@ -186,17 +181,11 @@ class EngineFollowingRouter(RequestRouter):
         view = self._views.get(replica.replica_id)
         return view if view is not None else _EngineView()
 
-    def _page_size(self) -> int:
-        if not self._page:
-            self._page = next((v.digest.page_size for v in self._views.values()), 0)
-        return self._page
-
     def _matches(
         self, ids: Sequence[int], replicas: Sequence[RunningReplica]
     ) -> tuple[list[int], dict[ReplicaID, int]]:
         """(the prompt's chain keys, whole pages of it each replica holds)."""
-        page_size = self._page_size()
-        keys = page_keys(ids, page_size) if page_size else []
+        keys = page_keys(ids, self._page_size)
         now = time.monotonic()
         return keys, {r.replica_id: self._view(r).matched_pages(keys, now) for r in replicas}
 
@@ -218,7 +207,7 @@ class EngineFollowingRouter(RequestRouter):
         if not self._share_kv or not matched:
             return
         holder = max(matched, key=matched.__getitem__)
-        gain = (matched[holder] - matched[chosen.replica_id]) * self._page_size()
+        gain = (matched[holder] - matched[chosen.replica_id]) * self._page_size
         view = self._views.get(holder)
         if gain >= self._share_kv_min_tokens and view is not None and view.alive:
             request.kwargs["kv_source"] = scheduler_name(self._app_name, holder.unique_id)
@@ -244,7 +233,7 @@ class PrefixRouter(EngineFollowingRouter):
         )
         least = by_load[0]
         ids = token_ids(pending_request)
-        if ids is None or not self._page_size():
+        if ids is None:
             return [[least], by_load[1:]]
         keys, matched = self._matches(ids, candidate_replicas)
         best = max(by_load, key=lambda r: matched[r.replica_id])  # first max: less loaded
@@ -256,7 +245,7 @@ class PrefixRouter(EngineFollowingRouter):
             chosen, decision = best, "prefix"
         metrics.ROUTER_STATS[decision] += 1
         metrics.ROUTER_STATS["tokens"] += len(ids)
-        metrics.ROUTER_STATS["matched_tokens"] += matched[chosen.replica_id] * self._page_size()
+        metrics.ROUTER_STATS["matched_tokens"] += matched[chosen.replica_id] * self._page_size
         self._routed(pending_request, chosen, keys, matched)
         # If the chosen replica cannot take it now (full), Serve tries the rest, by load.
         return [[chosen], [r for r in by_load if r is not chosen]]

@@ -20,7 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 ROOT_KEY = 0
@@ -48,15 +48,13 @@ class DigestDelta:
 
     epoch: int
     seq: int
-    page_size: int
     added: list[int]
     removed: list[int]
     snapshot: bool
 
 
 class PrefixDigest:
-    def __init__(self, page_size: int, max_log: int = MAX_LOG) -> None:
-        self.page_size = page_size
+    def __init__(self, max_log: int = MAX_LOG) -> None:
         self.epoch = random.getrandbits(62)  # a new cache (or engine) is a new epoch
         self.keys: set[int] = set()
         self._log: list[tuple[bool, int]] = []  # (added?, key), oldest first
@@ -88,13 +86,13 @@ class PrefixDigest:
     def since(self, epoch: int, seq: int) -> DigestDelta:
         """The changes after `seq` of `epoch`; a snapshot if those are gone or unknown."""
         if epoch != self.epoch or not self._log_start <= seq <= self.seq:
-            return DigestDelta(self.epoch, self.seq, self.page_size, list(self.keys), [], True)
+            return DigestDelta(self.epoch, self.seq, list(self.keys), [], True)
         final: dict[int, bool] = {}  # each key's last change wins
         for was_added, key in self._log[seq - self._log_start :]:
             final[key] = was_added
         added = [k for k, present in final.items() if present]
         removed = [k for k, present in final.items() if not present]
-        return DigestDelta(self.epoch, self.seq, self.page_size, added, removed, False)
+        return DigestDelta(self.epoch, self.seq, added, removed, False)
 
 
 class DigestFollower:
@@ -103,7 +101,6 @@ class DigestFollower:
     def __init__(self) -> None:
         self.epoch = -1
         self.seq = 0
-        self.page_size = 0
         self.keys: set[int] = set()
 
     def apply(self, delta: DigestDelta) -> None:
@@ -112,13 +109,14 @@ class DigestFollower:
         else:  # a key is in at most one of the lists (its net change)
             self.keys.difference_update(delta.removed)
             self.keys.update(delta.added)
-        self.epoch, self.seq, self.page_size = delta.epoch, delta.seq, delta.page_size
+        self.epoch, self.seq = delta.epoch, delta.seq
 
-    def matched_pages(self, keys: Sequence[int]) -> int:
-        """How many leading pages of a request (its chain `keys`) this engine holds."""
+    def matched_pages(self, keys: Sequence[int], also: Callable[[int], bool] | None = None) -> int:
+        """How many leading pages of a request (its chain `keys`) this engine holds (or,
+        page by page, `also` says it will)."""
         n = 0
         for k in keys:
-            if k not in self.keys:
+            if k not in self.keys and (also is None or not also(k)):
                 break
             n += 1
         return n

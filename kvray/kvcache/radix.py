@@ -80,7 +80,7 @@ class RadixCacheHandle(BaseCacheHandle):
 class RadixPrefixCache(BasePrefixCache):
     def __init__(self, page_size: int) -> None:
         super().__init__(page_size)
-        self._digest = self.digest = PrefixDigest(page_size)
+        self._digest = self.digest = PrefixDigest()
         self.root = RadixTreeNode((), _EMPTY, None)
         self.root.ref_count = 1  # the root is never evicted
         self._evictable = 0
