@@ -12,10 +12,14 @@ EngineFailed, never an AttributeError.
 Two threads touch the core, which is thread safe (one lock, never held while waiting on the
 workers): the step thread (`StepThread`) plans steps and waits for their results; the
 actor's event loop takes requests (submit, abort, inspection) and hands each request its
-events: `stream(rid)` is an async generator (for the Serve front), `poll(rids)` returns
-whatever is ready (for the offline LLM); `finished(rid)` returns once a request has ended
-(the Serve engine replica holds a request open with it while the tokens go straight to the
-ingress).
+events, in one of two ways:
+- `subscribe(key)` is an async generator of every event of the requests submitted with
+  that `subscriber` key (one per ingress process), a step's worth per item: a server
+  streaming N requests from this engine receives one Ray message per step, not N (each
+  message costs CPU on both sides, on the same cores as the workers' compute);
+- `poll(rids)` returns whatever is ready for those requests (for the offline LLM).
+`finished(rid)` returns once a request has ended (the Serve engine replica holds a request
+open with it while the tokens go straight to the ingress).
 """
 
 from __future__ import annotations
@@ -108,7 +112,10 @@ class SchedulerActor:
         self.phase = Phase.CREATED
         self._core: EngineCore | None = None
         self._steps: StepThread | None = None
-        self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
+        self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}  # polled requests
+        # A subscriber's events, waiting for its `subscribe` stream; which requests are whose.
+        self._subscribers: dict[str, asyncio.Queue[list[TokenEvent]]] = {}
+        self._owners: dict[int, str] = {}
         # A live request's end, set (and dropped) when its finishing event is delivered.
         self._ended: dict[int, asyncio.Event] = {}
         # Set after each step that delivered events (the cache may have changed): wakes
@@ -136,27 +143,46 @@ class SchedulerActor:
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         self._stepped.set()
+        batches: dict[str, list[TokenEvent]] = {}
         for ev in events:
-            q = self._queues.get(ev.rid)
-            if q is not None:
+            key = self._owners.get(ev.rid)
+            if key is not None:
+                batches.setdefault(key, []).append(ev)
+                if ev.finished:
+                    del self._owners[ev.rid]
+            elif (q := self._queues.get(ev.rid)) is not None:
                 q.put_nowait(ev)
             if ev.finished and (ended := self._ended.pop(ev.rid, None)) is not None:
                 ended.set()
+        for key, batch in batches.items():
+            if (sub := self._subscribers.get(key)) is not None:
+                sub.put_nowait(batch)
 
     # -- requests ---------------------------------------------------------------------------------
 
     async def ready(self) -> bool:
         return self.phase is Phase.SERVING
 
-    async def submit(self, input_ids: Sequence[int], sampling: SamplingParams) -> int:
-        """Queue a request and return its id. RequestRejected propagates to the caller."""
+    async def submit(
+        self, input_ids: Sequence[int], sampling: SamplingParams, subscriber: str | None = None
+    ) -> int:
+        """Queue a request and return its id; its events go to `subscriber`'s stream
+        (`subscribe`), or, without one, wait for `poll`. RequestRejected propagates to the
+        caller."""
         rid = self.core.new_rid()
-        self._queues[rid] = asyncio.Queue()
+        if subscriber is None:
+            self._queues[rid] = asyncio.Queue()
+        else:
+            # Events that come before the subscriber's stream opens wait in its queue.
+            self._subscribers.setdefault(subscriber, asyncio.Queue())
+            self._owners[rid] = subscriber
         self._ended[rid] = asyncio.Event()
         try:
             self.core.add_request(input_ids, sampling, rid=rid)
         except BaseException:
-            del self._queues[rid], self._ended[rid]
+            self._queues.pop(rid, None)
+            self._owners.pop(rid, None)
+            del self._ended[rid]
             raise
         assert self._steps is not None  # SERVING: `core` answered
         self._steps.wake()
@@ -170,26 +196,27 @@ class SchedulerActor:
             self._deliver([ev])
         return ev
 
-    async def _next(self, rid: int) -> list[TokenEvent]:
-        """Wait for at least one event of `rid`, then take all that are ready."""
-        q = self._queues[rid]
-        events = [await q.get()]
-        while not q.empty():
-            events.append(q.get_nowait())
-        if events[-1].finished:
-            self._queues.pop(rid, None)
-        return events
-
     async def finished(self, rid: int) -> None:
         """Return once request `rid` has ended (at once for one unknown or already gone)."""
         ended = self._ended.get(rid)
         if ended is not None:
             await ended.wait()
 
-    async def stream(self, rid: int) -> AsyncIterator[list[TokenEvent]]:
-        """The events of one request, in batches, until it finishes."""
-        while rid in self._queues:
-            yield await self._next(rid)
+    async def subscribe(self, key: str) -> AsyncIterator[list[TokenEvent]]:
+        """Every event of the requests submitted with subscriber `key`, as they come: each
+        item is what was ready (a step's worth, or more if the reader fell behind). Runs
+        until the reader goes away; then the queue goes too, and the events of its
+        requests still running are dropped (their engine replica's lease aborts them)."""
+        queue = self._subscribers.setdefault(key, asyncio.Queue())
+        try:
+            while True:
+                batch = await queue.get()
+                while not queue.empty():
+                    batch += queue.get_nowait()
+                yield batch
+        finally:
+            if self._subscribers.get(key) is queue:
+                del self._subscribers[key]
 
     async def poll(self, rids: Sequence[int], timeout_s: float = 1.0) -> list[TokenEvent]:
         """Every ready event of `rids`, waiting up to `timeout_s` for the first one."""

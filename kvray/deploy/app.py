@@ -7,6 +7,8 @@ router (kvray.deploy.router, `--router`) picks the replica of each request.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +31,7 @@ SCHEDULER_PREFIX = "kvray-scheduler-"
 
 FETCH_WAIT_S = 15.0  # a request waits this long at most for its prefix's K/V
 SUBMIT_TRIES = 3  # a request whose engine was gone before it started goes elsewhere
+EARLY_LIMIT = 256  # unopened requests' events a subscription keeps before pruning ended ones
 
 
 class EngineGone(RuntimeError):
@@ -68,11 +71,16 @@ class EngineDeployment:
         return EngineLimits(max_seq_len=spec.max_seq_len, vocab_size=spec.vocab_size)
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, kv_source: str | None = None
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        subscriber: str | None = None,
+        kv_source: str | None = None,
     ) -> AsyncIterator[tuple[str, int]]:
         """Submit a request; yield (scheduler actor name, request id) and stay open until
         the request ends. The tokens do not pass through here: the ingress reads them
-        straight from the scheduler actor (one Ray hop per token batch, not two), while
+        straight from the scheduler actor, on its `subscriber` stream (one Ray hop per
+        step for all its requests there, not two per token per request), while
         this open stream keeps the request counted against this replica for Serve's
         router. The request's only abort on the way: this stream ends before the request
         did (`EngineStream.cancel` aborts it at the scheduler first; this covers an
@@ -89,7 +97,7 @@ class EngineDeployment:
             except Exception:  # noqa: BLE001 - slow or failed: compute instead
                 pass
         try:
-            rid = await self.actor.submit.remote(input_ids, sampling)
+            rid = await self.actor.submit.remote(input_ids, sampling, subscriber)
         except ray.exceptions.RayActorError:
             raise EngineGone(self.name) from None
         except Exception as e:
@@ -122,19 +130,88 @@ class EngineDeployment:
             engine.shutdown()
 
 
-class _ServeStream:
-    """An EngineStream: the request's events straight from its scheduler actor, while the
-    engine deployment's `generate` stream (`lease`) holds the request open on its replica."""
+class _Subscription:
+    """This process's stream of events from one scheduler actor (`subscribe`): every
+    request it submitted there, a step's worth per Ray message, handed out to each
+    request's own queue. If the stream breaks (the engine died), every request on it gets
+    the error, and the next request there opens a new subscription."""
 
-    def __init__(self, lease: DeploymentResponseGenerator, actor: ActorHandle, rid: int) -> None:
+    def __init__(self, actor: ActorHandle, key: str) -> None:
+        self._queues: dict[int, asyncio.Queue[TokenEvent | BaseException]] = {}
+        # Events of requests not opened yet (the engine replica's answer with the request's
+        # id may come after its first tokens); dropped once finished and never opened.
+        self._early: dict[int, list[TokenEvent]] = {}
+        self.failure: BaseException | None = None
+        # In a fresh context: a call made in a request's context is that request's child
+        # task to Ray, and Serve cancels a request's children with it (a client that went
+        # away would end the stream that every request here shares).
+        self._task = asyncio.get_running_loop().create_task(
+            self._pump(actor, key), context=contextvars.Context()
+        )
+
+    async def _pump(self, actor: ActorHandle, key: str) -> None:
+        try:
+            async for ref in actor.subscribe.options(num_returns="streaming").remote(key):
+                for ev in await ref:
+                    q = self._queues.get(ev.rid)
+                    if q is not None:
+                        q.put_nowait(ev)
+                    else:
+                        self._early.setdefault(ev.rid, []).append(ev)
+                if len(self._early) > EARLY_LIMIT:
+                    self._early = {r: e for r, e in self._early.items() if not e[-1].finished}
+            raise EngineGone("the engine ended its event stream")
+        except BaseException as e:  # noqa: BLE001 - handed to every request on it
+            self.failure = e
+            for q in self._queues.values():
+                q.put_nowait(e)
+
+    def on_this_loop(self) -> bool:
+        return self._task.get_loop() is asyncio.get_running_loop()
+
+    def open(self, rid: int) -> asyncio.Queue[TokenEvent | BaseException]:
+        q: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        for ev in self._early.pop(rid, []):
+            q.put_nowait(ev)
+        if self.failure is not None:
+            q.put_nowait(self.failure)
+        self._queues[rid] = q
+        return q
+
+    def close(self, rid: int) -> None:
+        self._queues.pop(rid, None)
+
+
+class _ServeStream:
+    """An EngineStream: the request's events straight from its scheduler actor (through
+    this process's subscription there), while the engine deployment's `generate` stream
+    (`lease`) holds the request open on its replica."""
+
+    def __init__(
+        self, lease: DeploymentResponseGenerator, actor: ActorHandle, rid: int, sub: _Subscription
+    ) -> None:
         self._lease = lease
         self._actor = actor
         self._rid = rid
-        self._events = actor.stream.options(num_returns="streaming").remote(rid)
+        self._sub = sub
+        self._queue = sub.open(rid)
 
     async def __aiter__(self) -> AsyncIterator[list[TokenEvent]]:
-        async for ref in self._events:
-            yield await ref
+        try:
+            while True:
+                batch = [await self._queue.get()]
+                while not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                events: list[TokenEvent] = []
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        raise item
+                    events.append(item)
+                yield events
+                if events[-1].finished:
+                    return
+        finally:
+            self._sub.close(self._rid)
 
     def stop(self) -> None:
         # Straight to the request's scheduler (the deployment's router could pick another
@@ -157,10 +234,20 @@ class ServeEngineClient:
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle.options(stream=True)
         self._actors: dict[str, ActorHandle] = {}
+        # One subscriber key for this process: each engine sends this process's events on
+        # one stream (kept in `_subs` by scheduler name).
+        self._key = uuid.uuid4().hex
+        self._subs: dict[str, _Subscription] = {}
+
+    def _subscription(self, name: str, actor: ActorHandle) -> _Subscription:
+        sub = self._subs.get(name)
+        if sub is None or sub.failure is not None or not sub.on_this_loop():
+            sub = self._subs[name] = _Subscription(actor, self._key)
+        return sub
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> _ServeStream:
         for attempt in range(SUBMIT_TRIES):
-            gen = self._handle.generate.remote(input_ids, sampling)
+            gen = self._handle.generate.remote(input_ids, sampling, self._key)
             try:
                 name, rid = await gen.__anext__()
                 break
@@ -187,7 +274,7 @@ class ServeEngineClient:
         actor = self._actors.get(name)
         if actor is None:
             actor = self._actors[name] = ray.get_actor(name, namespace=ACTOR_NAMESPACE)
-        return _ServeStream(gen, actor, rid)
+        return _ServeStream(gen, actor, rid, self._subscription(name, actor))
 
 
 def engine_stats(app_name: str) -> list[dict[str, Any]]:
