@@ -219,13 +219,15 @@ class _ServeStream:
         self._actor.abort.remote(self._rid, "stop")
 
     def cancel(self) -> None:
-        # Abort at the request's scheduler directly (fire and forget, never blocks), which
-        # ends its event stream, and release the deployment's stream. Serve does not always
-        # carry a cancel into the replica's generator in time, so its own `finally` abort
-        # is only the backstop for an ingress that died; a scheduler ignores an abort of a
-        # finished request.
+        # Abort at the request's scheduler directly (fire and forget, never blocks), and
+        # release the deployment's stream. Serve does not always carry a cancel into the
+        # replica's generator in time, so its own `finally` abort is only the backstop for
+        # an ingress that died; a scheduler ignores an abort of a finished request. Nobody
+        # reads this request's events after a cancel (a stream never iterated included),
+        # so the subscription stops keeping them.
         self._actor.abort.remote(self._rid, "abort")
         self._lease.cancel()
+        self._sub.close(self._rid)
 
 
 class ServeEngineClient:
