@@ -6,14 +6,13 @@ Runs the bench's default workload (same seed, prompts, output lengths, engine se
 bfloat16 on all cores) through `kvray.LLM` once untimed at a small size, then once timed,
 wall-clocking every engine step and, inside it, every call of the hot op families:
     linear        the oneDNN products (`kvray.models.packed.packed_linear`)
-    attn_decode   the C++ paged decode kernel (`kvray.attention.cpu_decode`)
-    sdpa          torch SDPA: each prompt (chunk) attended on its own
+    attn_decode   the C++ paged decode kernel (`kvray.attention.cpu_paged`)
+    attn_prompt   prompt (chunk) attention: the AMX kernel (`cpu_paged.paged_extend`),
+                  or torch's SDPA where that kernel declines
     fused         the C++ norm / RoPE / SiLU-mul kernels (`kvray.models.fused`)
 Steps are split into those that compute prompt tokens ("prefill", decodes riding along)
 and decode-only steps, whose times are also binned by batch size. A CPU computes eagerly,
 so wall clocks around calls measure them; wrapping costs a few microseconds per call.
-Prints the prefill attention's per-call time by prompt length beside the same call timed
-alone (hot caches), the gap being what the surrounding step costs it.
 """
 
 from __future__ import annotations
@@ -25,23 +24,22 @@ import statistics
 import time
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 
 from kvray import LLM
-from kvray.attention import cpu_decode
+from kvray.attention import cpu_paged
 from kvray.bench.offline import make_workload, run_kvray
 from kvray.cluster.engine_core import EngineCore
 from kvray.models import fused, packed
 
 FAMILIES = {
     "linear": [(packed, "packed_linear")],
-    "attn_decode": [(cpu_decode, "paged_decode")],
+    "attn_decode": [(cpu_paged, "paged_decode")],
+    "attn_prompt": [(cpu_paged, "paged_extend"), (F, "scaled_dot_product_attention")],
     "fused": [(fused, n) for n in ("rms_norm", "add_rms_norm", "silu_mul", "rotary")],
 }
 
 _spent: dict[str, float] = collections.defaultdict(float)
-_sdpa_calls: list[tuple[int, bool, float]] = []  # (query length, masked, seconds)
 
 
 def _timed(family: str, fn: Any) -> Any:
@@ -59,33 +57,6 @@ def _instrument() -> None:
     for family, sites in FAMILIES.items():
         for module, name in sites:
             setattr(module, name, _timed(family, getattr(module, name)))
-    sdpa = F.scaled_dot_product_attention
-
-    @functools.wraps(sdpa)
-    def timed_sdpa(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        t = time.perf_counter()
-        out = sdpa(q, *args, **kwargs)
-        dt = time.perf_counter() - t
-        _spent["sdpa"] += dt
-        _sdpa_calls.append((q.shape[-2], kwargs.get("attn_mask") is not None, dt))
-        return out
-
-    F.scaled_dot_product_attention = timed_sdpa  # type: ignore[assignment]
-
-
-def _alone_ms(length: int, llm: LLM) -> float:
-    """One causal prompt's SDPA call of this length, timed alone (model head shapes)."""
-    mc = llm.spec.model_config
-    q = torch.randn(1, mc.num_heads, length, mc.head_dim, dtype=torch.bfloat16)
-    k = torch.randn(1, mc.num_kv_heads, length, mc.head_dim, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    call = functools.partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=True)
-    for _ in range(3):
-        call(q, k, v)
-    t = time.perf_counter()
-    for _ in range(20):
-        call(q, k, v)
-    return (time.perf_counter() - t) / 20 * 1e3
 
 
 def main() -> None:
@@ -136,7 +107,6 @@ def main() -> None:
         return out
 
     EngineCore.step = timed_step  # type: ignore[method-assign]
-    _sdpa_calls.clear()
     rates = run_kvray(llm, wl)
     EngineCore.step = step  # type: ignore[method-assign]
 
@@ -144,7 +114,7 @@ def main() -> None:
         f"{args.num_requests} requests, {wl.input_tokens} prompt + {wl.output_tokens} output "
         f"tokens: {rates['elapsed_s']:.1f} s, {rates['output_tok_s']:.1f} output tok/s"
     )
-    families = ["linear", "attn_decode", "sdpa", "fused"]
+    families = list(FAMILIES)
     print(f"{'steps':>8} {'n':>4} {'total s':>8} " + " ".join(f"{f:>11}" for f in families))
     for kind in ("prefill", "decode"):
         mine = [s for s in steps if s[0] == kind]
@@ -158,17 +128,6 @@ def main() -> None:
     for lo in sorted(bins):
         ms = statistics.median(bins[lo]) * 1e3
         print(f"decode-only steps, batch {lo}-{lo + 31}: {len(bins[lo])} steps, p50 {ms:.1f} ms")
-    by_len: dict[int, list[float]] = collections.defaultdict(list)
-    for length, masked, dt in _sdpa_calls:
-        if not masked:
-            by_len[length // 128 * 128].append(dt)
-    for lo in sorted(by_len):
-        ms = statistics.median(by_len[lo]) * 1e3
-        alone = _alone_ms(lo + 64, llm)
-        print(
-            f"prompt attention, {lo}-{lo + 127} tokens: {len(by_len[lo])} calls, p50 {ms:.2f} ms "
-            f"in the step; {alone:.2f} ms alone at {lo + 64} tokens"
-        )
     llm.engine.check_integrity()
 
 

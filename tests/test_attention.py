@@ -10,12 +10,12 @@ from kvray.attention import (
     ATTENTION_BACKENDS,
     AttnMetadata,
     backend_names,
-    cpu_decode,
+    cpu_paged,
     create_attention_backend,
     resolve_backend_name,
 )
 
-CPU_KERNEL = cpu_decode.available()
+CPU_KERNEL = cpu_paged.available()
 
 
 @pytest.mark.parametrize(
@@ -57,6 +57,36 @@ def test_mixed_batch_matches_dense(
         step2 = [(r, c, n) for r, (c, n) in enumerate(MIXED)]
         order = torch.randperm(len(step2)).tolist()
         run_step(backend, pool, [step2[i] for i in order], q_all, k_all, v_all, layer)
+
+
+@pytest.mark.skipif(not CPU_KERNEL, reason="no AVX-512 kernel")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_cpu_backend_mixed_bfloat16_batch_with_the_prompt_kernel(
+    page_size: int, head_dim: int
+) -> None:
+    """Prompts, prompt chunks after cached prefixes and decodes in one bf16 step: the
+    prompts go to the AMX kernel where it runs (the backend keeps using it: it never
+    declined), else to SDPA; every row matches dense attention either way."""
+    torch.manual_seed(page_size + head_dim)
+    pool = Pool(page_size, 2, torch.bfloat16, seed=page_size, head_dim=head_dim)
+    backend = create_attention_backend("cpu", pool.cache, 6, head_dim, head_dim**-0.5)
+    total = [c + n for c, n in MIXED]
+    q_all = [torch.randn(n, 6, head_dim, dtype=torch.bfloat16) for n in total]
+    k_all = [torch.randn(n, 2, head_dim, dtype=torch.bfloat16) for n in total]
+    v_all = [torch.randn(n, 2, head_dim, dtype=torch.bfloat16) for n in total]
+    for row, n in enumerate(total):
+        pool.allocate(row, n)
+    run_step(
+        backend, pool, [(r, 0, c) for r, (c, _) in enumerate(MIXED) if c], q_all, k_all, v_all, 0
+    )
+    run_step(backend, pool, [(r, c, n) for r, (c, n) in enumerate(MIXED)], q_all, k_all, v_all, 0)
+    probe = torch.zeros(1, 6, head_dim, dtype=torch.bfloat16)
+    extends = cpu_paged.Extends(*(torch.zeros(n, dtype=torch.int64) for n in (1, 2, 1, 1)))
+    amx = cpu_paged.paged_extend(
+        probe, pool.cache.k_flat(0), pool.cache.v_flat(0), extends, 1.0, probe
+    )
+    assert backend._extend_kernel == amx
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -1,26 +1,28 @@
-"""The "cpu" backend: the torch backend with decodes in kvray's C++ kernel
-(`kvray.attention.cpu_decode`), which reads K/V in place through the page table instead of
-gathering a padded copy. The `auto` choice on CPUs where the kernel builds (AVX-512), for
-bfloat16 and float32 pools and head sizes that are a multiple of 16."""
+"""The "cpu" backend: the torch backend with kvray's C++ kernels (`kvray.attention.cpu_paged`),
+which read K/V in place through the page table: decodes always, and prompts (chunks,
+suffixes of cached prefixes) on the AMX tile unit where it runs (bfloat16 pools, head_dim
+32 or 64), else torch's SDPA as in the torch backend. The `auto` choice on CPUs where the
+kernels build (AVX-512), for bfloat16 and float32 pools and head sizes that are a multiple
+of 16."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from kvray.attention import cpu_decode
+from kvray.attention import cpu_paged
 from kvray.attention.base import AttnMetadata
 from kvray.attention.torch_backend import Decodes, TorchAttentionBackend
 from kvray.kvcache.mha_pool import MHAKVCache
 
 
 def supports(kvcache: MHAKVCache, head_dim: int) -> bool:
-    """Whether the kernel serves this pool and head size on this machine."""
+    """Whether the kernels serve this pool and head size on this machine."""
     return (
         kvcache.device.type == "cpu"
         and kvcache.dtype in (torch.bfloat16, torch.float32)
         and head_dim % 16 == 0
-        and cpu_decode.available()
+        and cpu_paged.available()
     )
 
 
@@ -35,6 +37,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 f"(got {kvcache.dtype} on {kvcache.device}, head_dim {head_dim}); use torch"
             )
         super().__init__(kvcache, num_q_heads_local, head_dim, scale)
+        # Whether the prompt kernel may run here: cleared for good the first time it
+        # declines (no AMX, or the OS refuses the tile registers).
+        self._extend_kernel = kvcache.dtype == torch.bfloat16 and head_dim in (32, 64)
+        self._paged_extends: cpu_paged.Extends | None = None
+
+    def prepare(self, meta: AttnMetadata) -> None:
+        super().prepare(meta)
+        self._paged_extends = None
+        if self._extends and self._extend_kernel:
+            _, extends = meta.decodes_and_extends()
+            lens_k = meta.seq_lens_k[extends].long()
+            # Each extend's context slots, concatenated (read by every layer of the step).
+            in_context = torch.arange(meta.page_table.shape[1]) < lens_k[:, None]
+            self._paged_extends = cpu_paged.Extends(
+                slots=meta.page_table[extends][in_context].contiguous(),
+                k_start=torch.cat([lens_k.new_zeros(1), lens_k.cumsum(0)]),
+                q_start=meta.cu_seqlens_q[extends].long(),
+                q_len=meta.seq_lens_q[extends].long(),
+            )
 
     def prepare_decodes(self, meta: AttnMetadata, decodes: Tensor) -> Decodes:
         lens = meta.seq_lens_k[decodes].long()
@@ -45,6 +66,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )
 
     def attend_decodes(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, d: Decodes) -> Tensor:
-        return cpu_decode.paged_decode(
-            d.queries(q), k_pool, v_pool, d.slots, d.seq_lens, self.scale
-        )
+        return cpu_paged.paged_decode(d.queries(q), k_pool, v_pool, d.slots, d.seq_lens, self.scale)
+
+    def attend_extends(
+        self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, out: Tensor
+    ) -> None:
+        if self._paged_extends is not None:
+            if cpu_paged.paged_extend(q, k_pool, v_pool, self._paged_extends, self.scale, out):
+                return
+            self._extend_kernel = False
+            self._paged_extends = None
+        super().attend_extends(q, k, v, k_pool, v_pool, out)

@@ -100,12 +100,19 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, layer_id: int, meta: AttnMetadata) -> Tensor:
         k_pool, v_pool = self.kvcache.k_flat(layer_id), self.kvcache.v_flat(layer_id)
-        gqa = self.num_q_heads != self.kvcache.local_kv_heads
         if self._decodes is not None and self._decodes.whole_batch:
             return self.attend_decodes(q, k_pool, v_pool, self._decodes).flatten(1)
         out = q.new_empty(q.shape)
         if self._decodes is not None:
             out[self._decodes.tokens] = self.attend_decodes(q, k_pool, v_pool, self._decodes)
+        self.attend_extends(q, k, v, k_pool, v_pool, out)
+        return out.flatten(1)
+
+    def attend_extends(
+        self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, out: Tensor
+    ) -> None:
+        """Writes each extend's rows of `out` [T, Hq, D]: its queries over its context."""
+        gqa = self.num_q_heads != self.kvcache.local_kv_heads
         for e in self._extends:
             if e.slots is None:
                 k_e, v_e = k[e.start : e.end], v[e.start : e.end]
@@ -121,4 +128,3 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=gqa,
             )
             out[e.start : e.end] = o.squeeze(0).transpose(0, 1)
-        return out.flatten(1)

@@ -1,10 +1,23 @@
+// Paged attention for CPUs, reading K/V in place through the page table (cpu_paged.py):
+//   paged_decode   one query per request; AVX-512 (bf16 dot products where the CPU has them)
+//   paged_extend   a request's prompt (chunk) over its whole context; AMX tiles, bf16 only,
+//                  head_dim 32 or 64; returns false where it cannot run (the caller then
+//                  uses torch's SDPA)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVRAY_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -301,6 +314,208 @@ void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t
   });
 }
 
+#ifdef KVRAY_AMX
+// ---- extend (prefill) attention on the AMX tile unit -------------------------------------
+// Each request's new queries attend over its whole context (cached prefix + this step's
+// tokens, all already in the pool), causally: query i of Lq sees keys 0 .. Lk - Lq + i.
+// Flash-style: per (request, query head, block of 16 queries), 32 keys at a time, scores and
+// P.V on the tiles (bf16 in, float32 sums), online softmax in float32 with AVX-512.
+// K and V are first packed per (request, KV head) into the tiles' pair-interleaved layout.
+
+// Linux grants the tile registers per process on request; a kernel or VM that refuses them
+// leaves the SDPA path.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile is 16 rows x 64 bytes: 0-1 queries (A, 32 dims each), 2 keys (B), 3-4 scores
+// (C, 16 keys each), 5 probabilities (A, 32 keys), 6 values (B, 16 dims), 7 P.V (C).
+inline void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// kp[kb][j][r][n][e] = K[16 kb + n][32 j + 2 r + e]: per 16-key block and 32-dim chunk, a
+// B tile (16 dim pairs x 16 keys). vp[vb][c][r][n][e] = V[32 vb + 2 r + e][16 c + n]: per
+// 32-key block and 16-dim chunk, a B tile (16 key pairs x 16 dims). Keys past L are zeros.
+void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t L, int64_t h,
+             int64_t row, int64_t D, uint16_t* kp, uint16_t* vp) {
+  const int64_t nkb = (L + 15) / 16, nvb = (L + 31) / 32, NP = D / 32, NC = D / 16;
+  for (int64_t kb = 0; kb < nkb; ++kb)
+    for (int64_t n = 0; n < 16; ++n) {
+      const int64_t t = kb * 16 + n;
+      const uint32_t* src =
+          t < L ? reinterpret_cast<const uint32_t*>(k + slots[t] * row + h * D) : nullptr;
+      for (int64_t j = 0; j < NP; ++j)
+        for (int64_t r = 0; r < 16; ++r)
+          reinterpret_cast<uint32_t*>(kp)[((kb * NP + j) * 16 + r) * 16 + n] =
+              src ? src[16 * j + r] : 0u;
+    }
+  for (int64_t vb = 0; vb < nvb; ++vb)
+    for (int64_t r = 0; r < 16; ++r)
+      for (int e = 0; e < 2; ++e) {
+        const int64_t t = vb * 32 + 2 * r + e;
+        const uint16_t* src = t < L ? v + slots[t] * row + h * D : nullptr;
+        for (int64_t c = 0; c < NC; ++c)
+          for (int64_t n = 0; n < 16; ++n)
+            vp[(((vb * NC + c) * 16 + r) * 16 + n) * 2 + e] = src ? src[16 * c + n] : 0;
+      }
+}
+
+// P.V of one 32-key block into the output tiles 4 .. 4 + NC - 1 (tile 3 holds each V chunk).
+template <int NC>
+inline void pv_tiles(const uint16_t* vblock) {
+  _tile_loadd(3, vblock, 64);
+  _tile_dpbf16ps(4, 2, 3);
+  if constexpr (NC > 1) {
+    _tile_loadd(3, vblock + 16 * 32, 64);
+    _tile_dpbf16ps(5, 2, 3);
+  }
+  if constexpr (NC > 2) {
+    _tile_loadd(3, vblock + 2 * 16 * 32, 64);
+    _tile_dpbf16ps(6, 2, 3);
+    _tile_loadd(3, vblock + 3 * 16 * 32, 64);
+    _tile_dpbf16ps(7, 2, 3);
+  }
+}
+template <int NC>
+inline void store_out_tiles(float* o) {  // o [16][16 * NC]
+  _tile_stored(4, o, 64 * NC);
+  if constexpr (NC > 1) _tile_stored(5, o + 16, 64 * NC);
+  if constexpr (NC > 2) {
+    _tile_stored(6, o + 32, 64 * NC);
+    _tile_stored(7, o + 48, 64 * NC);
+  }
+}
+template <int NC>
+inline void load_out_tiles(const float* o) {
+  _tile_loadd(4, o, 64 * NC);
+  if constexpr (NC > 1) _tile_loadd(5, o + 16, 64 * NC);
+  if constexpr (NC > 2) {
+    _tile_loadd(6, o + 32, 64 * NC);
+    _tile_loadd(7, o + 48, 64 * NC);
+  }
+}
+
+// Lazy rescaling: a row's exponents are taken against a reference max that moves only when a
+// score exceeds it by more than this (natural log units): the output tiles then accumulate
+// untouched across blocks (probabilities stay below e^8 ~ 3000, exact enough in float32 and
+// bf16's relative precision).
+constexpr float kRescaleMargin = 8.0f;
+
+// One block of up to 16 queries (rows of one request, one query head) over its keys.
+// NC = D / 16 output chunks, each a C tile (D <= 64).
+template <int NC>
+void attend_block(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t first_pos, int64_t L,
+                  const uint16_t* kp, const uint16_t* vp, float scale, uint16_t* out,
+                  int64_t out_row_stride) {
+  constexpr int64_t D = NC * 16, NP = D / 32;
+  alignas(64) uint16_t qbuf[16 * D];
+  alignas(64) float sbuf[16 * 32];
+  alignas(64) uint16_t pbuf[16 * 32];
+  alignas(64) float lacc[16 * 16];
+  alignas(64) float o[16 * D];
+  float m[16];
+  for (int64_t r = 0; r < 16; ++r) {
+    for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = r < nq ? q[r * q_row_stride + d] : 0;
+    _mm512_store_ps(lacc + 16 * r, _mm512_setzero_ps());
+    m[r] = -INFINITY;
+  }
+  _tile_zero(4);
+  if constexpr (NC > 1) _tile_zero(5);
+  if constexpr (NC > 2) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  const int64_t kend = std::min<int64_t>(L, first_pos + nq);  // keys the last row sees
+  for (int64_t k0 = 0; k0 < kend; k0 += 32) {
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j = 0; j < NP; ++j) {
+      _tile_loadd(0, qbuf + 32 * j, D * 2);
+      _tile_loadd(1, kp + ((k0 / 16) * NP + j) * 16 * 32, 64);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(1, kp + ((k0 / 16 + 1) * NP + j) * 16 * 32, 64);
+      _tile_dpbf16ps(3, 0, 1);
+    }
+    _tile_stored(2, sbuf, 128);
+    _tile_stored(3, sbuf + 16, 128);
+    bool rescale = false;
+    alignas(64) float alpha[16];
+    for (int64_t r = 0; r < 16; ++r) {
+      alpha[r] = 1.0f;
+      uint16_t* pr = pbuf + r * 32;
+      const int64_t vis = r < nq ? std::min<int64_t>(first_pos + r + 1, L) - k0 : 0;
+      if (vis <= 0) {  // nothing of this block visible (or a padding row)
+        _mm512_storeu_si512(pr, _mm512_setzero_si512());
+        continue;
+      }
+      const __mmask16 m0 = vis >= 16 ? 0xFFFF : (__mmask16)((1u << vis) - 1);
+      const __mmask16 m1 = vis >= 32 ? 0xFFFF : vis <= 16 ? 0 : (__mmask16)((1u << (vis - 16)) - 1);
+      const __m512 s0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(sbuf + r * 32), vscale);
+      const __m512 s1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(sbuf + r * 32 + 16), vscale);
+      // The reference max moves only when a score passes it by the margin (checked
+      // without a horizontal reduction, which the common case then skips).
+      const __m512 limit = _mm512_set1_ps(m[r] + kRescaleMargin);
+      if (_mm512_cmp_ps_mask(s0, limit, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, limit, _CMP_GT_OQ)) {
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+        if (m[r] != -INFINITY) {
+          alpha[r] = std::exp(m[r] - mx);
+          rescale = true;
+          _mm512_store_ps(lacc + 16 * r,
+                          _mm512_mul_ps(_mm512_load_ps(lacc + 16 * r), _mm512_set1_ps(alpha[r])));
+        }
+        m[r] = mx;
+      }
+      const __m512 vm = _mm512_set1_ps(m[r]);
+      const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, vm)));
+      const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, vm)));
+      const __m256bh b0 = _mm512_cvtneps_pbh(p0), b1 = _mm512_cvtneps_pbh(p1);
+      // The sum is of the rounded probabilities, the ones P.V multiplies.
+      const __m512 r0 = load16(reinterpret_cast<const uint16_t*>(&b0));
+      const __m512 r1 = load16(reinterpret_cast<const uint16_t*>(&b1));
+      _mm512_store_ps(lacc + 16 * r,
+                      _mm512_add_ps(_mm512_load_ps(lacc + 16 * r), _mm512_add_ps(r0, r1)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr), (__m256i)b0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16), (__m256i)b1);
+    }
+    if (rescale) {  // rare: a row's max moved; bring its output down to the new reference
+      store_out_tiles<NC>(o);
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t c = 0; c < NC; ++c)
+          _mm512_store_ps(o + r * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + r * D + 16 * c),
+                                                            _mm512_set1_ps(alpha[r])));
+      load_out_tiles<NC>(o);
+    }
+    _tile_loadd(2, pbuf, 64);
+    pv_tiles<NC>(vp + (k0 / 32) * NC * 16 * 32);
+  }
+  store_out_tiles<NC>(o);
+  for (int64_t r = 0; r < nq; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(lacc + 16 * r)));
+    for (int64_t c = 0; c < NC; ++c)
+      store16(out + r * out_row_stride + 16 * c,
+              _mm512_mul_ps(_mm512_load_ps(o + r * D + 16 * c), inv));
+  }
+}
+#endif
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor pt,
@@ -335,6 +550,71 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   return out;
 }
 
+// q [T, Hq, D] bf16 (last dim contiguous), k/v [slots, Hkv, D] the layer's pool, out like q.
+// Extend e: queries are rows qstart[e] .. qstart[e] + lq[e] - 1, its context's slots are
+// slots[kstart[e] .. kstart[e + 1]) (the queries' own keys last). Writes those rows of out.
+bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                  torch::Tensor kstart, torch::Tensor qstart, torch::Tensor lq, double scale,
+                  torch::Tensor out) {
+#ifdef KVRAY_AMX
+  const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1), E = qstart.size(0);
+  if (q.scalar_type() != torch::kBFloat16 || k.scalar_type() != torch::kBFloat16 ||
+      (D != 32 && D != 64) || Hq % Hkv || q.stride(2) != 1 || out.stride(2) != 1 ||
+      !k.is_contiguous() || !v.is_contiguous() || !amx_permitted())
+    return false;
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && kstart.scalar_type() == torch::kInt64);
+  const int64_t G = Hq / Hkv, row = Hkv * D;
+  const auto* kq = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kk = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* kv = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  auto* ko = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* ks = kstart.data_ptr<int64_t>();
+  const int64_t* qs = qstart.data_ptr<int64_t>();
+  const int64_t* ql = lq.data_ptr<int64_t>();
+  // Packed K/V of every (extend, KV head): offsets in elements.
+  std::vector<int64_t> koff(E * Hkv + 1, 0), voff(E * Hkv + 1, 0);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t L = ks[e + 1] - ks[e];
+      koff[e * Hkv + h + 1] = koff[e * Hkv + h] + (L + 15) / 16 * 16 * D;
+      voff[e * Hkv + h + 1] = voff[e * Hkv + h] + (L + 31) / 32 * 32 * D;
+    }
+  std::vector<uint16_t> kp(koff.back()), vp(voff.back());
+  at::parallel_for(0, E * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = i / Hkv, h = i % Hkv;
+      pack_kv(kk, kv, sl + ks[e], ks[e + 1] - ks[e], h, row, D, kp.data() + koff[i],
+              vp.data() + voff[i]);
+    }
+  });
+  // Tasks: (extend, query head, block of 16 queries).
+  std::vector<int64_t> tstart(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) tstart[e + 1] = tstart[e] + Hq * ((ql[e] + 15) / 16);
+  const int64_t qrs = q.stride(0), qhs = q.stride(1), ors = out.stride(0), ohs = out.stride(1);
+  at::parallel_for(0, tstart[E], 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    int64_t e = std::upper_bound(tstart.begin(), tstart.end(), begin) - tstart.begin() - 1;
+    for (int64_t t = begin; t < end; ++t) {
+      while (t >= tstart[e + 1]) ++e;
+      const int64_t local = t - tstart[e], nqb = (ql[e] + 15) / 16;
+      const int64_t hq = local / nqb, qb = local % nqb, h = hq / G;
+      const int64_t L = ks[e + 1] - ks[e], q0 = qb * 16, nq = std::min<int64_t>(16, ql[e] - q0);
+      const int64_t row0 = qs[e] + q0;
+      const auto block = D == 32 ? attend_block<2> : attend_block<4>;
+      block(kq + row0 * qrs + hq * qhs, qrs, nq, L - ql[e] + q0, L, kp.data() + koff[e * Hkv + h],
+            vp.data() + voff[e * Hkv + h], static_cast<float>(scale), ko + row0 * ors + hq * ohs,
+            ors);
+    }
+    _tile_release();
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_extend", &paged_extend, "prefill attention over a paged KV pool (AMX)");
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool");
 }

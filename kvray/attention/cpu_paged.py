@@ -1,0 +1,95 @@
+"""Paged attention kernels for CPUs: a small C++ extension built on first use
+(`kvray/csrc/paged_attention.cpp`), reading K/V straight from the pool through the page
+table.
+
+`paged_decode(q, k_flat, v_flat, page_table, seq_lens, scale)`: one query per request.
+Decode attention is memory bound: each step reads every running request's K/V once. The
+pure-torch path first gathers those rows into a padded copy and then runs SDPA over it,
+moving the data three times. This kernel reads K/V in place, one request per task across
+the cores, with AVX-512 for the dot products, an exact-to-float32-rounding exp, and the
+softmax in float32.
+    q          [B, Hq, D] bfloat16 or float32 (one query token per request)
+    k_flat     [slots, Hkv, D] the layer's K pool (same dtype as q); v_flat likewise
+    page_table [B, max_len] int64 token slots; seq_lens [B] int64 context lengths
+returns [B, Hq, D].
+
+`paged_extend(q, k_flat, v_flat, extends, scale, out) -> bool`: each extending request's
+queries (a prompt, a chunk of one, or the part after a cached prefix) over its whole
+context, causally, on the AMX tile unit (flash-style: online softmax in float32, bf16
+products summed in float32). Compute bound where decode is memory bound: torch's CPU
+flash SDPA reaches a fraction of the matmul peak on prompt lengths of a few hundred
+tokens, and ran a third of a 4,096-token bf16 prefill step here. bfloat16 pools and
+head_dim 32 or 64 only; it returns False (and computes nothing) where it cannot run: no
+AMX, the OS refusing the tile registers, another dtype or head size. Writes each extend's
+rows of `out` [T, Hq, D].
+
+`available()` is False where the extension cannot be built (no compiler, no AVX-512):
+callers then use the torch path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvray.cpu_ext import CSRC, CpuExtension
+
+_EXTENSION = CpuExtension(CSRC / "paged_attention.cpp")
+
+
+def available() -> bool:
+    return _EXTENSION.available()
+
+
+def _module() -> Any:
+    mod = _EXTENSION.load()
+    if mod is None:
+        raise RuntimeError("the CPU attention kernels are not available on this machine")
+    return mod
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return _module().paged_decode(q.contiguous(), k_flat, v_flat, page_table, seq_lens, scale)
+
+
+@dataclass(frozen=True)
+class Extends:
+    """A step's extending requests, as `paged_extend` reads them: request e's queries are
+    rows `q_start[e] .. q_start[e] + q_len[e] - 1` of the step's q, and its context's
+    slots are `slots[k_start[e] : k_start[e + 1]]` (its queries' own keys last)."""
+
+    slots: torch.Tensor  # int64 [sum of context lengths]
+    k_start: torch.Tensor  # int64 [E + 1]
+    q_start: torch.Tensor  # int64 [E]
+    q_len: torch.Tensor  # int64 [E]
+
+
+def paged_extend(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    extends: Extends,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    ran: bool = _module().paged_extend(
+        q,
+        k_flat,
+        v_flat,
+        extends.slots,
+        extends.k_start,
+        extends.q_start,
+        extends.q_len,
+        scale,
+        out,
+    )
+    return ran
