@@ -61,7 +61,7 @@ def test_mixed_batch_matches_dense(
 
 @pytest.mark.skipif(not CPU_KERNEL, reason="no AVX-512 kernel")
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_cpu_backend_mixed_bfloat16_batch_with_the_prompt_kernel(
     page_size: int, head_dim: int
 ) -> None:

@@ -123,6 +123,8 @@ def _extend_or_skip(q, k_pool, v_pool, extends, scale):
         ([0, 40, 300], [77, 7, 33], 2, 4, 64, 1),  # cached prefixes, page size 1
         ([16, 0], [48, 300], 1, 8, 32, 4),
         ([0], [520], 3, 3, 64, 16),  # several key blocks and query blocks
+        ([0, 20], [70, 45], 2, 2, 128, 16),  # output past four tiles: the rest in memory
+        ([9], [40], 1, 2, 256, 4),
     ],
 )
 def test_paged_extend_matches_dense_causal_attention(

@@ -19,9 +19,9 @@ context, causally, on the AMX tile unit (flash-style: online softmax in float32,
 products summed in float32). Compute bound where decode is memory bound: torch's CPU
 flash SDPA reaches a fraction of the matmul peak on prompt lengths of a few hundred
 tokens, and ran a third of a 4,096-token bf16 prefill step here. bfloat16 pools and
-head_dim 32 or 64 only; it returns False (and computes nothing) where it cannot run: no
-AMX, the OS refusing the tile registers, another dtype or head size. Writes each extend's
-rows of `out` [T, Hq, D].
+head_dim 32, 64, 128 or 256 only; it returns False (and computes nothing) where it cannot
+run: no AMX, the OS refusing the tile registers, another dtype or head size. Writes each
+extend's rows of `out` [T, Hq, D].
 
 `available()` is False where the extension cannot be built (no compiler, no AVX-512):
 callers then use the torch path.

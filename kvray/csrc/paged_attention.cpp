@@ -1,7 +1,7 @@
 // Paged attention for CPUs, reading K/V in place through the page table (cpu_paged.py):
 //   paged_decode   one query per request; AVX-512 (bf16 dot products where the CPU has them)
 //   paged_extend   a request's prompt (chunk) over its whole context; AMX tiles, bf16 only,
-//                  head_dim 32 or 64; returns false where it cannot run (the caller then
+//                  head_dim 32, 64, 128 or 256; returns false where it cannot run (the caller then
 //                  uses torch's SDPA)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -356,7 +356,8 @@ inline void configure_tiles() {
 // 32-key block and 16-dim chunk, a B tile (16 key pairs x 16 dims). Keys past L are zeros.
 void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t L, int64_t h,
              int64_t row, int64_t D, uint16_t* kp, uint16_t* vp) {
-  const int64_t nkb = (L + 15) / 16, nvb = (L + 31) / 32, NP = D / 32, NC = D / 16;
+  // Both padded to whole 32-key blocks: the scores read two 16-key blocks at a time.
+  const int64_t nvb = (L + 31) / 32, nkb = 2 * nvb, NP = D / 32, NC = D / 16;
   for (int64_t kb = 0; kb < nkb; ++kb)
     for (int64_t n = 0; n < 16; ++n) {
       const int64_t t = kb * 16 + n;
@@ -378,38 +379,43 @@ void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t
       }
 }
 
-// P.V of one 32-key block into the output tiles 4 .. 4 + NC - 1 (tile 3 holds each V chunk).
-template <int NC>
+// Output chunks (16 dims each) that stay in tiles 4-7 across key blocks; a head_dim past 64
+// keeps the rest in memory.
+constexpr int64_t kTileChunks = 4;
+
+// P.V of one 32-key block into the output tiles 4 .. 4 + min(NC, 4) - 1 (tile 3 holds each
+// V chunk).
+template <int NT>
 inline void pv_tiles(const uint16_t* vblock) {
   _tile_loadd(3, vblock, 64);
   _tile_dpbf16ps(4, 2, 3);
-  if constexpr (NC > 1) {
+  if constexpr (NT > 1) {
     _tile_loadd(3, vblock + 16 * 32, 64);
     _tile_dpbf16ps(5, 2, 3);
   }
-  if constexpr (NC > 2) {
+  if constexpr (NT > 2) {
     _tile_loadd(3, vblock + 2 * 16 * 32, 64);
     _tile_dpbf16ps(6, 2, 3);
     _tile_loadd(3, vblock + 3 * 16 * 32, 64);
     _tile_dpbf16ps(7, 2, 3);
   }
 }
-template <int NC>
-inline void store_out_tiles(float* o) {  // o [16][16 * NC]
-  _tile_stored(4, o, 64 * NC);
-  if constexpr (NC > 1) _tile_stored(5, o + 16, 64 * NC);
-  if constexpr (NC > 2) {
-    _tile_stored(6, o + 32, 64 * NC);
-    _tile_stored(7, o + 48, 64 * NC);
+template <int NT>  // the output tiles' chunks into o [16][D] (row stride D floats)
+inline void store_out_tiles(float* o, int64_t D) {
+  _tile_stored(4, o, 4 * D);
+  if constexpr (NT > 1) _tile_stored(5, o + 16, 4 * D);
+  if constexpr (NT > 2) {
+    _tile_stored(6, o + 32, 4 * D);
+    _tile_stored(7, o + 48, 4 * D);
   }
 }
-template <int NC>
-inline void load_out_tiles(const float* o) {
-  _tile_loadd(4, o, 64 * NC);
-  if constexpr (NC > 1) _tile_loadd(5, o + 16, 64 * NC);
-  if constexpr (NC > 2) {
-    _tile_loadd(6, o + 32, 64 * NC);
-    _tile_loadd(7, o + 48, 64 * NC);
+template <int NT>
+inline void load_out_tiles(const float* o, int64_t D) {
+  _tile_loadd(4, o, 4 * D);
+  if constexpr (NT > 1) _tile_loadd(5, o + 16, 4 * D);
+  if constexpr (NT > 2) {
+    _tile_loadd(6, o + 32, 4 * D);
+    _tile_loadd(7, o + 48, 4 * D);
   }
 }
 
@@ -420,7 +426,8 @@ inline void load_out_tiles(const float* o) {
 constexpr float kRescaleMargin = 8.0f;
 
 // One block of up to 16 queries (rows of one request, one query head) over its keys.
-// NC = D / 16 output chunks, each a C tile (D <= 64).
+// NC = D / 16 output chunks: the first four in tiles 4-7, the rest (D > 64) added up in
+// memory from a scratch tile (1, with 0 for V: the query and key tiles are free by then).
 template <int NC>
 void attend_block(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t first_pos, int64_t L,
                   const uint16_t* kp, const uint16_t* vp, float scale, uint16_t* out,
@@ -430,16 +437,19 @@ void attend_block(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t f
   alignas(64) float sbuf[16 * 32];
   alignas(64) uint16_t pbuf[16 * 32];
   alignas(64) float lacc[16 * 16];
-  alignas(64) float o[16 * D];
+  alignas(64) float o[16 * D];  // [16][D]: the tiles' chunks on the way out, then the rest
+  constexpr int64_t NT = NC < kTileChunks ? NC : kTileChunks;  // chunks held in tiles
+  alignas(64) float cbuf[16 * 16];
   float m[16];
   for (int64_t r = 0; r < 16; ++r) {
     for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = r < nq ? q[r * q_row_stride + d] : 0;
     _mm512_store_ps(lacc + 16 * r, _mm512_setzero_ps());
+    for (int64_t d = NT * 16; d < D; ++d) o[r * D + d] = 0.0f;
     m[r] = -INFINITY;
   }
   _tile_zero(4);
-  if constexpr (NC > 1) _tile_zero(5);
-  if constexpr (NC > 2) {
+  if constexpr (NT > 1) _tile_zero(5);
+  if constexpr (NT > 2) {
     _tile_zero(6);
     _tile_zero(7);
   }
@@ -497,17 +507,28 @@ void attend_block(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t f
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16), (__m256i)b1);
     }
     if (rescale) {  // rare: a row's max moved; bring its output down to the new reference
-      store_out_tiles<NC>(o);
+      store_out_tiles<NT>(o, D);
       for (int64_t r = 0; r < 16; ++r)
         for (int64_t c = 0; c < NC; ++c)
           _mm512_store_ps(o + r * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + r * D + 16 * c),
                                                             _mm512_set1_ps(alpha[r])));
-      load_out_tiles<NC>(o);
+      load_out_tiles<NT>(o, D);
     }
     _tile_loadd(2, pbuf, 64);
-    pv_tiles<NC>(vp + (k0 / 32) * NC * 16 * 32);
+    const uint16_t* vblock = vp + (k0 / 32) * NC * 16 * 32;
+    pv_tiles<NT>(vblock);
+    for (int64_t c = NT; c < NC; ++c) {
+      _tile_loadd(0, vblock + c * 16 * 32, 64);
+      _tile_zero(1);
+      _tile_dpbf16ps(1, 2, 0);
+      _tile_stored(1, cbuf, 64);
+      for (int64_t r = 0; r < nq; ++r) {
+        float* orow = o + r * D + 16 * c;
+        _mm512_store_ps(orow, _mm512_add_ps(_mm512_load_ps(orow), _mm512_load_ps(cbuf + 16 * r)));
+      }
+    }
   }
-  store_out_tiles<NC>(o);
+  store_out_tiles<NT>(o, D);
   for (int64_t r = 0; r < nq; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(lacc + 16 * r)));
     for (int64_t c = 0; c < NC; ++c)
@@ -559,8 +580,8 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
 #ifdef KVRAY_AMX
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1), E = qstart.size(0);
   if (q.scalar_type() != torch::kBFloat16 || k.scalar_type() != torch::kBFloat16 ||
-      (D != 32 && D != 64) || Hq % Hkv || q.stride(2) != 1 || out.stride(2) != 1 ||
-      !k.is_contiguous() || !v.is_contiguous() || !amx_permitted())
+      (D != 32 && D != 64 && D != 128 && D != 256) || Hq % Hkv || q.stride(2) != 1 ||
+      out.stride(2) != 1 || !k.is_contiguous() || !v.is_contiguous() || !amx_permitted())
     return false;
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && kstart.scalar_type() == torch::kInt64);
   const int64_t G = Hq / Hkv, row = Hkv * D;
@@ -577,7 +598,7 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   for (int64_t e = 0; e < E; ++e)
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t L = ks[e + 1] - ks[e];
-      koff[e * Hkv + h + 1] = koff[e * Hkv + h] + (L + 15) / 16 * 16 * D;
+      koff[e * Hkv + h + 1] = koff[e * Hkv + h] + (L + 31) / 32 * 32 * D;
       voff[e * Hkv + h + 1] = voff[e * Hkv + h] + (L + 31) / 32 * 32 * D;
     }
   std::vector<uint16_t> kp(koff.back()), vp(voff.back());
@@ -601,7 +622,10 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
       const int64_t hq = local / nqb, qb = local % nqb, h = hq / G;
       const int64_t L = ks[e + 1] - ks[e], q0 = qb * 16, nq = std::min<int64_t>(16, ql[e] - q0);
       const int64_t row0 = qs[e] + q0;
-      const auto block = D == 32 ? attend_block<2> : attend_block<4>;
+      const auto block = D == 32    ? attend_block<2>
+                         : D == 64  ? attend_block<4>
+                         : D == 128 ? attend_block<8>
+                                    : attend_block<16>;
       block(kq + row0 * qrs + hq * qhs, qrs, nq, L - ql[e] + q0, L, kp.data() + koff[e * Hkv + h],
             vp.data() + voff[e * Hkv + h], static_cast<float>(scale), ko + row0 * ors + hq * ohs,
             ors);
