@@ -137,6 +137,7 @@ class _Subscription:
     the error, and the next request there opens a new subscription."""
 
     def __init__(self, actor: ActorHandle, key: str) -> None:
+        self.actor = actor
         self._queues: dict[int, asyncio.Queue[TokenEvent | BaseException]] = {}
         # Events of requests not opened yet (the engine replica's answer with the request's
         # id may come after its first tokens); dropped once finished and never opened.
@@ -187,11 +188,9 @@ class _ServeStream:
     this process's subscription there), while the engine deployment's `generate` stream
     (`lease`) holds the request open on its replica."""
 
-    def __init__(
-        self, lease: DeploymentResponseGenerator, actor: ActorHandle, rid: int, sub: _Subscription
-    ) -> None:
+    def __init__(self, lease: DeploymentResponseGenerator, rid: int, sub: _Subscription) -> None:
         self._lease = lease
-        self._actor = actor
+        self._actor = sub.actor
         self._rid = rid
         self._sub = sub
         self._queue = sub.open(rid)
@@ -235,15 +234,17 @@ class ServeEngineClient:
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle.options(stream=True)
-        self._actors: dict[str, ActorHandle] = {}
         # One subscriber key for this process: each engine sends this process's events on
-        # one stream (kept in `_subs` by scheduler name).
+        # one stream (kept in `_subs` by scheduler name, with the scheduler's handle).
         self._key = uuid.uuid4().hex
         self._subs: dict[str, _Subscription] = {}
 
-    def _subscription(self, name: str, actor: ActorHandle) -> _Subscription:
+    def _subscription(self, name: str) -> _Subscription:
+        """This process's open stream from scheduler `name`: a new one where there is none,
+        where it broke, or where it belongs to another event loop."""
         sub = self._subs.get(name)
         if sub is None or sub.failure is not None or not sub.on_this_loop():
+            actor = sub.actor if sub is not None else ray.get_actor(name, namespace=ACTOR_NAMESPACE)
             sub = self._subs[name] = _Subscription(actor, self._key)
         return sub
 
@@ -273,10 +274,7 @@ class ServeEngineClient:
                         type_="ServiceUnavailableError",
                     ) from None
                 raise
-        actor = self._actors.get(name)
-        if actor is None:
-            actor = self._actors[name] = ray.get_actor(name, namespace=ACTOR_NAMESPACE)
-        return _ServeStream(gen, actor, rid, self._subscription(name, actor))
+        return _ServeStream(gen, rid, self._subscription(name))
 
 
 def engine_stats(app_name: str) -> list[dict[str, Any]]:
