@@ -86,6 +86,14 @@ class EngineConfig(BaseModel):
         min_length=1,
         description="attention kernels; auto: flash_attn or triton on CUDA, cpu or torch on CPUs",
     )
+    overlap_schedule: bool | None = Field(
+        default=None,
+        description="plan step N+1 while the workers compute step N (the scheduler learns "
+        "N's tokens one step late). It hides the scheduler's time behind a GPU's; on CPUs "
+        "the workers' threads already take every core, and a request arriving mid-step "
+        "then waits for one more step before its prompt is computed. None: on for CUDA "
+        "workers, off on CPUs",
+    )
     seed: int = Field(default=0, description="seeds requests that bring none of their own")
     placement_strategy: PlacementStrategy = Field(
         default="PACK", description="Ray placement of one engine's TP workers"

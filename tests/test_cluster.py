@@ -229,15 +229,16 @@ TP_CASES = [("kv1", 2), ("kv1", 4), ("kv2", 2), ("kv2", 4), ("kv4", 2), ("kv4", 
 @pytest.fixture(scope="module", params=TP_CASES, ids=[f"{n}-tp{t}" for n, t in TP_CASES])
 def tp_engine(request, kvray_ray_cluster, tiny) -> Iterator[tuple[LLM, dict[str, Any], int]]:
     """One Ray engine per (checkpoint, TP size); pytest runs every test of one before
-    starting the next, so at most one of these is alive at a time. TP 4 dispatches over
-    a compiled graph, TP 2 as the CPU default does (plain actor calls): both paths keep
-    parity."""
+    starting the next, so at most one of these is alive at a time. TP 4 runs as GPUs do
+    by default (a compiled graph, overlap scheduling: two steps in flight), TP 2 as CPUs
+    do (plain actor calls, one step at a time): both paths keep parity."""
     name, tp = request.param
     entry = tiny[name]
     llm, before = start_engine(
         entry["path"],
         tp_size=tp,
         compiled=True if tp == 4 else None,
+        overlap_schedule=True if tp == 4 else None,
         page_size=PAGE_SIZE,
         num_pages=NUM_PAGES,
         max_prefill_tokens=PREFILL_BUDGET,
@@ -251,6 +252,7 @@ def test_tp_greedy_matches_tp1_and_hf(tp_engine) -> None:
     # The engine warmed itself up before serving and kept nothing of it.
     stats = llm.engine.stats()
     assert stats["steps"] == stats["prefill_tokens"] == stats["prefix_query_tokens"] == 0
+    assert stats["max_inflight_steps"] == (2 if tp == 4 else 1)
     assert llm.engine.is_idle_and_empty()
     first = [o.token_ids for o in llm.generate(PROMPTS, greedy(MAX_NEW))]
     assert_same(first, entry["hf"], f"TP {tp} vs Hugging Face")
@@ -447,10 +449,13 @@ def collect(engine: Any, rids: list[int], out: dict[int, list[int]], done: set[i
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "actor_calls"])
 def test_worker_killed_mid_generation(kvray_ray_cluster, tiny, kill_refs, compiled) -> None:
+    """Compiled as on GPUs (two steps in flight when the worker dies), actor calls as on
+    CPUs (one)."""
     llm, before = start_engine(
         tiny["kv2"]["path"],
         tp_size=2,
         compiled=compiled,
+        overlap_schedule=compiled,
         page_size=PAGE_SIZE,
         num_pages=NUM_PAGES,
         max_prefill_tokens=64,

@@ -576,6 +576,7 @@ def test_every_chart_value_reaches_the_application(helm_render):
         "replicas": 3,
         "app_name": "app2",
         "compiled": False,
+        "overlap_schedule": True,
         "worker_cpus": 2.0,
         "worker_threads": 3,
         "router": "round-robin",

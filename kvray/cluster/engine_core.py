@@ -1,8 +1,9 @@
 """EngineCore: the scheduler, an executor and the overlapped step loop (no Ray here).
 
 One `step()` plans the next StepPlan and submits it, then settles the oldest in-flight
-step once `max_inflight` are running (2 for Ray workers: the scheduler builds plan N+1
-while the workers compute plan N and learns N's tokens one step late; 1 in process).
+step once `max_inflight` are running: 2 with overlap scheduling (GPU workers by default:
+the scheduler builds plan N+1 while the workers compute plan N and learns N's tokens one
+step late), else 1 (CPU workers, whose threads already take every core, and in process).
 
 It is thread safe: a loop thread calls `step()` while request threads call `add_request`
 / `abort`; the lock is not held while waiting for the workers.

@@ -98,6 +98,11 @@ class SchedulerActor:
         worker_threads: int | None = None,
     ) -> None:
         self.spec = spec
+        overlap = spec.config.overlap_schedule
+        if overlap is None:
+            overlap = device.startswith("cuda")
+        # Steps in flight at once: with overlap, plan N+1 goes out before N's result is read.
+        self.max_inflight = 2 if overlap else 1
         # What start() builds: the TP group's workers (nothing is started before then).
         self._executor = functools.partial(
             RayExecutor,
@@ -135,7 +140,7 @@ class SchedulerActor:
         if self.phase is not Phase.CREATED:
             raise EngineFailed(f"start() of an engine that is {self.phase.value}")
         executor = await asyncio.to_thread(self._executor)
-        core = EngineCore(self.spec, executor, max_inflight=2)
+        core = EngineCore(self.spec, executor, max_inflight=self.max_inflight)
         await asyncio.to_thread(core.warm_up)
         self._core = core
         self._steps = StepThread(core, asyncio.get_running_loop(), self._deliver)
@@ -254,6 +259,7 @@ class SchedulerActor:
             # The prefill budget of the next step and the step-time model behind it.
             **s.budget.info(s.num_decoding),
             "recoveries": self.core.recoveries,
+            "max_inflight_steps": self.max_inflight,
             **vars(self._transfers),
         }
 

@@ -142,6 +142,7 @@ each other and that would otherwise leave placement groups pending forever.
       "attention_backend" $e.attentionBackend
       "placement_strategy" $e.placementStrategy
       "compiled" $e.compiledGraph
+      "overlap_schedule" $e.overlapSchedule
       "worker_cpus" $e.workerCpus
       "worker_threads" $e.workerThreads
       "router" .Values.serve.router
