@@ -62,12 +62,16 @@ def test_mixed_batch_matches_dense(
 @pytest.mark.skipif(not CPU_KERNEL, reason="no AVX-512 kernel")
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("declines", [False, True], ids=["as_is", "kernel_declines"])
 def test_cpu_backend_mixed_bfloat16_batch_with_the_prompt_kernel(
-    page_size: int, head_dim: int
+    page_size: int, head_dim: int, declines: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prompts, prompt chunks after cached prefixes and decodes in one bf16 step: the
     prompts go to the AMX kernel where it runs (the backend keeps using it: it never
-    declined), else to SDPA; every row matches dense attention either way."""
+    declined), else to SDPA; every row matches dense attention either way. With the
+    kernel made to decline (as it does without AMX), SDPA takes over mid-step."""
+    if declines:
+        monkeypatch.setattr(cpu_paged, "paged_extend", lambda *args: False)
     torch.manual_seed(page_size + head_dim)
     pool = Pool(page_size, 2, torch.bfloat16, seed=page_size, head_dim=head_dim)
     backend = create_attention_backend("cpu", pool.cache, 6, head_dim, head_dim**-0.5)

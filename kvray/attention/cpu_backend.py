@@ -12,7 +12,7 @@ from torch import Tensor
 
 from kvray.attention import cpu_paged
 from kvray.attention.base import AttnMetadata
-from kvray.attention.torch_backend import Decodes, TorchAttentionBackend
+from kvray.attention.torch_backend import Decodes, TorchAttentionBackend, _Extend
 from kvray.kvcache.mha_pool import MHAKVCache
 
 
@@ -42,20 +42,22 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._extend_kernel = kvcache.dtype == torch.bfloat16 and head_dim in (32, 64, 128, 256)
         self._paged_extends: cpu_paged.Extends | None = None
 
-    def prepare(self, meta: AttnMetadata) -> None:
-        super().prepare(meta)
+    def prepare_extends(self, meta: AttnMetadata, extends: Tensor) -> list[_Extend]:
+        """The prompt kernel's input (`_paged_extends`) where it may run; then SDPA's
+        per-extend data (causal masks included) is built only if the kernel declines."""
         self._paged_extends = None
-        if self._extends and self._extend_kernel:
-            _, extends = meta.decodes_and_extends()
-            lens_k = meta.seq_lens_k[extends].long()
-            # Each extend's context slots, concatenated (read by every layer of the step).
-            in_context = torch.arange(meta.page_table.shape[1]) < lens_k[:, None]
-            self._paged_extends = cpu_paged.Extends(
-                slots=meta.page_table[extends][in_context].contiguous(),
-                k_start=torch.cat([lens_k.new_zeros(1), lens_k.cumsum(0)]),
-                q_start=meta.cu_seqlens_q[extends].long(),
-                q_len=meta.seq_lens_q[extends].long(),
-            )
+        if extends.numel() == 0 or not self._extend_kernel:
+            return super().prepare_extends(meta, extends)
+        lens_k = meta.seq_lens_k[extends].long()
+        # Each extend's context slots, concatenated (read by every layer of the step).
+        in_context = torch.arange(meta.page_table.shape[1]) < lens_k[:, None]
+        self._paged_extends = cpu_paged.Extends(
+            slots=meta.page_table[extends][in_context].contiguous(),
+            k_start=torch.cat([lens_k.new_zeros(1), lens_k.cumsum(0)]),
+            q_start=meta.cu_seqlens_q[extends].long(),
+            q_len=meta.seq_lens_q[extends].long(),
+        )
+        return []
 
     def prepare_decodes(self, meta: AttnMetadata, decodes: Tensor) -> Decodes:
         lens = meta.seq_lens_k[decodes].long()
@@ -74,6 +76,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self._paged_extends is not None:
             if cpu_paged.paged_extend(q, k_pool, v_pool, self._paged_extends, self.scale, out):
                 return
+            # Declined (for good): this step's extends go to SDPA from here on.
             self._extend_kernel = False
             self._paged_extends = None
+            meta = self._prepared()
+            self._extends = super().prepare_extends(meta, meta.decodes_and_extends()[1])
         super().attend_extends(q, k, v, k_pool, v_pool, out)

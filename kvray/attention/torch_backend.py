@@ -60,20 +60,27 @@ class TorchAttentionBackend(AttentionBackend):
         if decodes.numel():
             d = self.prepare_decodes(meta, decodes)
             self._decodes = replace(d, whole_batch=extends.numel() == 0)
-        self._extends = []
-        if extends.numel() > 0:
-            starts = meta.cu_seqlens_q[extends].tolist()
-            lens_q = meta.seq_lens_q[extends].tolist()
-            lens_k = meta.seq_lens_k[extends].tolist()
-            device = meta.page_table.device
-            for b, start, lq, lk in zip(extends.tolist(), starts, lens_q, lens_k, strict=True):
-                slots = mask = None
-                if lk != lq:
-                    slots = meta.page_table[b, :lk]
-                    k_pos = torch.arange(lk, device=device)
-                    q_pos = torch.arange(lk - lq, lk, device=device)
-                    mask = k_pos[None, :] <= q_pos[:, None]
-                self._extends.append(_Extend(start, start + lq, slots, mask))
+        self._extends = self.prepare_extends(meta, extends)
+
+    def prepare_extends(self, meta: AttnMetadata, extends: Tensor) -> list[_Extend]:
+        """What `attend_extends` reads for the extends at batch indices `extends`: each
+        one's rows, and its context's slots and causal mask where a prefix is cached."""
+        out: list[_Extend] = []
+        if extends.numel() == 0:
+            return out
+        starts = meta.cu_seqlens_q[extends].tolist()
+        lens_q = meta.seq_lens_q[extends].tolist()
+        lens_k = meta.seq_lens_k[extends].tolist()
+        device = meta.page_table.device
+        for b, start, lq, lk in zip(extends.tolist(), starts, lens_q, lens_k, strict=True):
+            slots = mask = None
+            if lk != lq:
+                slots = meta.page_table[b, :lk]
+                k_pos = torch.arange(lk, device=device)
+                q_pos = torch.arange(lk - lq, lk, device=device)
+                mask = k_pos[None, :] <= q_pos[:, None]
+            out.append(_Extend(start, start + lq, slots, mask))
+        return out
 
     def prepare_decodes(self, meta: AttnMetadata, decodes: Tensor) -> Decodes:
         lens = meta.seq_lens_k[decodes].long()
