@@ -25,6 +25,7 @@ from kvray.core import RequestRejected, SamplingParams, TokenEvent
 from kvray.deploy.generation import EngineLimits
 from kvray.deploy.protocol import APIError
 from kvray.deploy.settings import ServeConfig
+from kvray.net import free_port
 
 SCHEDULER_PREFIX = "kvray-scheduler-"
 
@@ -362,9 +363,30 @@ class Ingress:
         )
 
 
-def start_app(settings: ServeConfig, host: str, port: int) -> None:
-    """Serve the app over HTTP at host:port on the connected Ray cluster (as `kvray serve`)."""
-    serve.start(http_options={"host": host, "port": port})
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Ray Serve's settings under which the ingress replica answers HTTP on `port` itself,
+    with no proxy actor on the way: every request and every streamed chunk saves a Ray
+    hop and the proxy's CPU, on the cores the engine computes on. Serve's controller and
+    replicas read them when they start, so they must be in the environment of the process
+    that starts the Ray cluster. Serve allocates the port from a range: here just `port`,
+    never held back after a replica goes (quarantine 0) and with no drain wait of its own
+    (kvray drains before it shuts Serve down)."""
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+    }
+
+
+def start_app(settings: ServeConfig, host: str, port: int, direct_ingress: bool = False) -> None:
+    """Serve the app over HTTP at host:port on the connected Ray cluster (as `kvray serve`).
+    With `direct_ingress` (the cluster was started with `direct_ingress_env(port)`), the
+    ingress replica listens on host:port; Serve's proxy, which Serve still starts, gets a
+    free port of its own and sits on no request's path."""
+    proxy_port = free_port(host) if direct_ingress else port
+    serve.start(http_options={"host": host, "port": proxy_port})
     serve.run(build_app(settings), name=settings.app_name, route_prefix="/")
 
 

@@ -43,6 +43,23 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    direct = args.address is None if args.direct_ingress is None else args.direct_ingress
+    if direct and args.address is not None:
+        print("error: --direct-ingress needs a cluster this command starts", file=sys.stderr)
+        return 2
+    from kvray.deploy.app import direct_ingress_env
+    from kvray.net import wait_for_port
+
+    # Serve's HTTP server binds without SO_REUSEADDR, so a restart within a minute of the
+    # last server's connections would fail (and its direct ingress would then give up on
+    # the port for good): wait for the port here, or say why it cannot be had.
+    if args.address is None and (err := wait_for_port(args.host, args.port)) is not None:
+        print(f"error: cannot listen on {args.host}:{args.port}: {err}", file=sys.stderr)
+        return 2
+    if direct:
+        # Before Ray starts: its processes inherit them.
+        os.environ.update(direct_ingress_env(args.port))
+
     import ray
     from ray import serve
 
@@ -62,7 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    start_app(settings, args.host, args.port)
+    start_app(settings, args.host, args.port, direct_ingress=direct)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     print(f"[kvray] serving {model_name} at http://{host}:{args.port}/v1", flush=True)
 
@@ -135,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--address", default=None, help="Ray cluster to join (default: start one)")
+    s.add_argument(
+        "--direct-ingress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the API replica answers HTTP itself, without Ray Serve's proxy in between "
+        "(default: on when this command starts the Ray cluster; needs that)",
+    )
     s.add_argument(
         "--shutdown-grace-s",
         type=float,

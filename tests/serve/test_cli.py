@@ -55,6 +55,24 @@ def session_processes(sid: int) -> list[str]:
     return out
 
 
+def listener(port: int) -> str:
+    """Command line of the process listening on TCP `port` (Linux /proc)."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            f = row.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) in inodes:
+                cmd = (fd.parent.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+                return cmd.decode(errors="replace").strip()
+        except OSError:
+            continue
+    return ""
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen[str]
@@ -162,6 +180,8 @@ def test_cli_serve_smoke(tmp_path: Path) -> None:
                 assert http.get(path, headers=auth).status_code == 200, path
             r = http.get("/v1/models", headers=auth)
             assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+            # Direct ingress: the API replica itself listens on the port, no Serve proxy.
+            assert "ServeReplica:kvray:Ingress" in listener(server.port), listener(server.port)
             # The README's request answers "Paris".
             r = http.post("/v1/chat/completions", json=README_REQUEST, headers=auth)
             assert r.status_code == 200, r.text
@@ -243,3 +263,12 @@ def test_sigterm_drains_running_streams_then_exits(tmp_path: Path) -> None:
             assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert_exited_cleanly(server, 60)
         assert "placement groups left: 0" in server.stderr(), server.stderr()
+
+
+def test_direct_ingress_needs_a_cluster_of_its_own(capsys: pytest.CaptureFixture[str]) -> None:
+    """Serve reads the direct-ingress settings when its processes start: on a cluster that
+    is already running they cannot be set, which the command says before it connects."""
+    from kvray.deploy.cli import main
+
+    assert main(["serve", "--address", "127.0.0.1:1", "--direct-ingress"]) == 2
+    assert "--direct-ingress needs a cluster this command starts" in capsys.readouterr().err
