@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvray.net import free_port
+from kvray.net import free_port, listening_sockets
 from kvray.text import chat_ids
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,15 +57,10 @@ def session_processes(sid: int) -> list[str]:
 
 def listener(port: int) -> str:
     """Command line of the process listening on TCP `port` (Linux /proc)."""
-    inodes = set()
-    for table in ("tcp", "tcp6"):
-        for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            f = row.split()
-            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # LISTEN
-                inodes.add(f"socket:[{f[9]}]")
+    sockets = listening_sockets(port) or set()
     for fd in Path("/proc").glob("[0-9]*/fd/*"):
         try:
-            if os.readlink(fd) in inodes:
+            if os.readlink(fd) in sockets:
                 cmd = (fd.parent.parent / "cmdline").read_bytes().replace(b"\0", b" ")
                 return cmd.decode(errors="replace").strip()
         except OSError:
