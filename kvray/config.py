@@ -94,6 +94,13 @@ class EngineConfig(BaseModel):
         "then waits for one more step before its prompt is computed. None: on for CUDA "
         "workers, off on CPUs",
     )
+    bind_threads: bool = Field(
+        default=True,
+        description="pin each CPU worker actor's torch threads one per core, on cores no other "
+        "kvray worker on the node has claimed (lock files); where too few are free, or a "
+        "cgroup CPU quota says the cores are shared, the threads float. In-process engines "
+        "never pin",
+    )
     seed: int = Field(default=0, description="seeds requests that bring none of their own")
     placement_strategy: PlacementStrategy = Field(
         default="PACK", description="Ray placement of one engine's TP workers"

@@ -5,8 +5,8 @@ definition), shipped with the package. The first `load()` compiles one with torc
 `cpp_extension.load`, under a name that carries a hash of its source, its flags and the
 torch version: an edited source is a new build, never a stale binary, and later processes
 only load what torch cached under ~/.cache/torch_extensions (or TORCH_EXTENSIONS_DIR).
-Where it cannot be built (no AVX-512, no compiler or ninja) or `KVRAY_CPU_KERNELS=0` is
-set, `load()` returns None and callers keep to their plain torch path.
+Where it cannot be built (no AVX-512 where its kernels need it, no compiler or ninja) or
+`KVRAY_CPU_KERNELS=0` is set, `load()` returns None and callers keep to their plain path.
 """
 
 from __future__ import annotations
@@ -40,12 +40,15 @@ def cpu_has_avx512() -> bool:
 
 
 class CpuExtension:
-    """One C++ source file (in `kvray/csrc`) for AVX-512 CPUs, built at most once per
-    process (thread-safe)."""
+    """One C++ source file (in `kvray/csrc`), for AVX-512 CPUs unless `requires_avx512` is
+    False, built at most once per process (thread-safe)."""
 
-    def __init__(self, source: Path, extra_cflags: Sequence[str] = ()) -> None:
+    def __init__(
+        self, source: Path, extra_cflags: Sequence[str] = (), requires_avx512: bool = True
+    ) -> None:
         self.source = source
         self.extra_cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
+        self.requires_avx512 = requires_avx512
         self._lock = threading.Lock()
         self._module: Any = None
         self._tried = False
@@ -65,7 +68,7 @@ class CpuExtension:
         with self._lock:
             if self._tried:
                 return self._module
-            if kernels_enabled() and cpu_has_avx512():
+            if kernels_enabled() and (cpu_has_avx512() or not self.requires_avx512):
                 try:
                     from torch.utils.cpp_extension import load
 

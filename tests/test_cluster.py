@@ -18,6 +18,7 @@ of that engine is left in the cluster.
 from __future__ import annotations
 
 import gc
+import os
 import pickle
 import random
 import time
@@ -253,6 +254,13 @@ def test_tp_greedy_matches_tp1_and_hf(tp_engine) -> None:
     stats = llm.engine.stats()
     assert stats["steps"] == stats["prefill_tokens"] == stats["prefix_query_tokens"] == 0
     assert stats["max_inflight_steps"] == (2 if tp == 4 else 1)
+    # Each rank's torch threads are pinned to cores of their own, or (none left free:
+    # e.g. TP 4 on 2 cores) not at all; never two ranks on one core.
+    threads = max(1, (os.cpu_count() or 1) // tp)
+    pinned = stats["pinned_cpus"]
+    assert len(pinned) == tp and all(len(cpus) in (0, threads) for cpus in pinned)
+    flat = [c for cpus in pinned for c in cpus]
+    assert len(flat) == len(set(flat)) and set(flat) <= os.sched_getaffinity(0)
     assert llm.engine.is_idle_and_empty()
     first = [o.token_ids for o in llm.generate(PROMPTS, greedy(MAX_NEW))]
     assert_same(first, entry["hf"], f"TP {tp} vs Hugging Face")

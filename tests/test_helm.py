@@ -579,6 +579,7 @@ def test_every_chart_value_reaches_the_application(helm_render):
         "overlap_schedule": True,
         "worker_cpus": 2.0,
         "worker_threads": 3,
+        "bind_threads": False,
         "router": "round-robin",
         "router_load_margin": 9,
         "share_kv": True,

@@ -13,6 +13,7 @@ import torch
 
 from kvray.core import StepPlan, StepResult
 from kvray.net import free_port
+from kvray.workers.cpu_bind import ThreadBinding
 from kvray.workers.dist import default_backend, init_tp_group
 from kvray.workers.worker import ModelWorker, WorkerSpec
 
@@ -24,9 +25,13 @@ class WorkerActor:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
+        # On CPU, the torch threads pinned one per core (where cores are free to claim).
+        self.binding: ThreadBinding | None = None
         if not spec.device.startswith("cuda"):
             # Ranks share the node's cores: give each its slice so they do not oversubscribe.
             torch.set_num_threads(max(1, num_threads))
+            if spec.config.bind_threads:
+                self.binding = ThreadBinding(torch.get_num_threads())
         self.worker: ModelWorker | None = None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -44,6 +49,8 @@ class WorkerActor:
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         assert self.worker is not None, "execute before init"
+        if self.binding is not None:
+            self.binding.ensure()  # the team of the thread that steps (once per thread)
         result = self.worker.execute(plan)
         return result if self.rank == 0 else None  # every rank computed it; one answers
 
@@ -65,3 +72,7 @@ class WorkerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def pinned_cpus(self) -> tuple[int, ...]:
+        """The cores this rank's torch threads are pinned to (empty: not pinned)."""
+        return self.binding.cpus if self.binding is not None else ()

@@ -31,6 +31,11 @@ class Executor(ABC):
     def kv_buffer_shapes(self) -> list[tuple[int, ...]]:
         """The KV buffer shape each rank holds, in rank order."""
 
+    def pinned_cpus(self) -> list[tuple[int, ...]]:
+        """The cores each rank's torch threads are pinned to, in rank order (empty: the
+        threads float). Only worker actors pin (`kvray.workers.cpu_bind`)."""
+        return [()]
+
     def rebuild(self, timeout_s: float) -> None:
         raise WorkerFailure("this executor cannot rebuild its workers")
 

@@ -66,6 +66,7 @@ class RayExecutor(Executor):
         self.actors: list[Any] = []
         self.pg: Any = None
         self._dag: Any = None
+        self._pinned: list[tuple[int, ...]] = []
         self._build(ready_timeout_s)
 
     # -- life cycle -------------------------------------------------------------------------
@@ -111,6 +112,10 @@ class RayExecutor(Executor):
             )
             ray.get(
                 [a.init.remote(addr, port) for a in self.actors],
+                timeout=max(deadline - time.monotonic(), 1),
+            )
+            self._pinned = ray.get(
+                [a.pinned_cpus.remote() for a in self.actors],
                 timeout=max(deadline - time.monotonic(), 1),
             )
         except Exception:
@@ -170,6 +175,9 @@ class RayExecutor(Executor):
 
     def worker_pids(self) -> list[int]:
         return ray.get([a.pid.remote() for a in self.actors])
+
+    def pinned_cpus(self) -> list[tuple[int, ...]]:
+        return [tuple(cpus) for cpus in self._pinned]
 
     def kill_worker(self, rank: int) -> None:
         """Kill one worker actor (for failure tests and drills)."""

@@ -260,6 +260,7 @@ class SchedulerActor:
             **s.budget.info(s.num_decoding),
             "recoveries": self.core.recoveries,
             "max_inflight_steps": self.max_inflight,
+            "pinned_cpus": self.core.executor.pinned_cpus(),
             **vars(self._transfers),
         }
 

@@ -145,6 +145,7 @@ each other and that would otherwise leave placement groups pending forever.
       "overlap_schedule" $e.overlapSchedule
       "worker_cpus" $e.workerCpus
       "worker_threads" $e.workerThreads
+      "bind_threads" $e.bindThreads
       "router" .Values.serve.router
       "router_load_margin" (int .Values.serve.routerLoadMargin)
       "share_kv" .Values.serve.shareKv
