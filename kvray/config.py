@@ -94,6 +94,13 @@ class EngineConfig(BaseModel):
         "then waits for one more step before its prompt is computed. None: on for CUDA "
         "workers, off on CPUs",
     )
+    small_batch_kernel: bool | None = Field(
+        default=None,
+        description="on CPUs with AMX, in bfloat16: multiply up to 32 rows (decode with few "
+        "running requests) with kvray's tile kernel, from a second copy of every linear "
+        "weight, where oneDNN is slow (bit-identical results); None: on where that copy "
+        "takes at most 4 GiB per rank",
+    )
     bind_threads: bool = Field(
         default=True,
         description="pin each CPU worker actor's torch threads one per core, on cores no other "

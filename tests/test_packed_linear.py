@@ -14,16 +14,41 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17, 128, 300, 2049])
-@pytest.mark.parametrize("shape,bias", [((960, 576), False), ((576, 1536), True), ((5, 7), True)])
+@pytest.mark.parametrize("rows", [1, 3, 17, 32, 33, 128, 300, 2049])
+@pytest.mark.parametrize(
+    "shape,bias",
+    [((960, 576), False), ((576, 1536), True), ((5, 7), True), ((100, 96), True)],
+)
 def test_packed_linear_is_bit_identical_to_f_linear(rows, shape, bias) -> None:
+    """With the weight's AMX tile copy where this CPU has one (up to 32 rows run on it),
+    as without."""
     torch.manual_seed(rows)
     w = torch.randn(*shape, dtype=torch.bfloat16)
     b = torch.randn(shape[0], dtype=torch.bfloat16) if bias else None
     x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
-    got = packed.packed_linear(x, packed.pack(w), b)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
-    assert torch.equal(got, F.linear(x, w, b))
+    tiles = packed.pack_tiles(w) if packed.can_tile(w) else None
+    for t in {None, tiles}:
+        got = packed.packed_linear(x, packed.pack(w), b, t, shape[0])
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
+        assert torch.equal(got, F.linear(x, w, b))
+
+
+TILED = packed.can_tile(torch.zeros(32, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not TILED, reason="no AMX tiles for this process")
+def test_tiles_take_up_to_32_rows_and_onednn_the_rest() -> None:
+    """Given different weights in the two copies, the product shows which one served."""
+    torch.manual_seed(0)
+    tiled, onednn = (torch.randn(200, 64, dtype=torch.bfloat16) for _ in range(2))
+    tiles, pack = packed.pack_tiles(tiled), packed.pack(onednn)
+    for rows, used in ((1, tiled), (32, tiled), (33, onednn)):
+        x = torch.randn(2, rows, 64, dtype=torch.bfloat16)[0]  # rows of a larger tensor
+        assert torch.equal(packed.packed_linear(x, pack, None, tiles, 200), F.linear(x, used))
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)  # [..., in]: 15 rows, leading dims kept
+    got = packed.packed_linear(x, pack, None, tiles, 200)
+    assert got.shape == (3, 5, 200) and torch.equal(got, F.linear(x, tiled))
+    assert not packed.can_tile(torch.zeros(8, 48, dtype=torch.bfloat16))  # in % 32 != 0
 
 
 def test_only_bf16_cpu_weights_are_packed(monkeypatch) -> None:
@@ -70,6 +95,10 @@ def test_loaded_bf16_model_packs_and_gives_the_same_logits(tmp_path, monkeypatch
     layer = model.model.layers[0]
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
         assert lin._packed is not None and lin.weight.device.type == "meta"
+        assert (lin._tiles is not None) == TILED  # a small model gets the tile copies
+    untiled = load_model(tmp_path, TPGroup(), torch.bfloat16, "cpu", small_batch_kernel=False)
+    assert untiled.model.layers[0].mlp.down_proj._tiles is None
+    assert torch.equal(logits(model), logits(untiled))  # 18 rows: the tiles served `model`
     head = model.lm_head
     assert head._packed is not None
     assert head.weight.device.type == ("cpu" if tied else "meta")

@@ -49,17 +49,21 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     _packed: torch.Tensor | None = None
+    _tiles: torch.Tensor | None = None  # the AMX tile-layout copy, for a few rows
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._packed is not None:
-            return packed.packed_linear(x, self._packed, bias)
+            return packed.packed_linear(x, self._packed, bias, self._tiles, self.weight.shape[0])
         return F.linear(x, self.weight, bias)
 
-    def pack_weights(self, keep_dense: bool = False) -> bool:
+    def pack_weights(self, keep_dense: bool = False, tiles: bool = False) -> bool:
         """Pack the weight for this CPU if that helps (bf16 on oneDNN); returns whether it
-        did. `keep_dense` keeps the dense weight too (a tied embedding still needs it)."""
+        did. `keep_dense` keeps the dense weight too (a tied embedding still needs it);
+        `tiles` adds the AMX tile-layout copy for products of a few rows, where it can."""
         if self._packed is not None or not packed.can_pack(self.weight):
             return self._packed is not None
+        if tiles and packed.can_tile(self.weight):
+            self._tiles = packed.pack_tiles(self.weight)
         self._packed = packed.pack(self.weight)
         if not keep_dense:
             self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)

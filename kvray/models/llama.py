@@ -36,6 +36,11 @@ def _scale(s: slice, k: int) -> slice:
     return slice(s.start * k, s.stop * k)
 
 
+# The most memory the small-batch kernel's second copy of the weights may take unasked
+# (this rank's linear weights; 4 GiB: models up to about 2B parameters in bf16).
+SMALL_BATCH_AUTO_BYTES = 4 << 30
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup, layer_id: int) -> None:
         super().__init__()
@@ -164,17 +169,26 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.rope_theta, config.rope_scaling, self.device
         )
 
-    def pack_weights(self) -> int:
+    def pack_weights(self, small_batch: bool | None = None) -> int:
         """Pack every linear weight for this CPU once loaded (see `kvray.models.packed`;
         a no-op off bf16 CPUs). A tied LM head keeps its dense copy for the embedding.
-        Returns how many weights were packed."""
-        count = 0
-        for name, mod in self.named_modules():
-            if isinstance(mod, PackableLinear):
-                if name == "model.embed_tokens" and not self.config.tie_word_embeddings:
-                    continue  # only looked up, never multiplied
-                count += mod.pack_weights(keep_dense=name == "model.embed_tokens")
-        return count
+        `small_batch` adds each weight's AMX tile copy for products of a few rows; None:
+        where those copies take at most SMALL_BATCH_AUTO_BYTES. Returns how many weights
+        were packed."""
+        mods = [
+            (name, mod)
+            for name, mod in self.named_modules()
+            if isinstance(mod, PackableLinear)
+            # an untied embedding is only looked up, never multiplied
+            and (name != "model.embed_tokens" or self.config.tie_word_embeddings)
+        ]
+        if small_batch is None:
+            size = sum(m.weight.numel() * m.weight.element_size() for _, m in mods)
+            small_batch = size <= SMALL_BATCH_AUTO_BYTES
+        return sum(
+            mod.pack_weights(keep_dense=name == "model.embed_tokens", tiles=small_batch)
+            for name, mod in mods
+        )
 
     @torch.inference_mode()
     def forward(

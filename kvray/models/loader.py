@@ -73,9 +73,14 @@ def _expected_parts(model: LlamaForCausalLM) -> set[tuple[str, str, int]]:
 
 
 def load_model(
-    path: str | Path, tp: TPGroup, dtype: torch.dtype, device: torch.device | str
+    path: str | Path,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    small_batch_kernel: bool | None = None,
 ) -> LlamaForCausalLM:
-    """Build this rank's shard of the checkpoint at `path`, running in `dtype` on `device`."""
+    """Build this rank's shard of the checkpoint at `path`, running in `dtype` on `device`
+    (`small_batch_kernel`: see `LlamaForCausalLM.pack_weights`)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     model = LlamaForCausalLM(config, tp, dtype, device)
@@ -97,7 +102,7 @@ def load_model(
     if missing:
         shown = ", ".join(f"{m}.{p}[{i}]" for m, p, i in sorted(missing)[:5])
         raise ValueError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {shown}")
-    model.pack_weights()
+    model.pack_weights(small_batch_kernel)
     if model.device.type == "cpu":
         fused.available()  # build the fused CPU ops now (once), not on the first request
     return model

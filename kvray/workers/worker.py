@@ -57,7 +57,13 @@ class ModelWorker:
         self.device = torch.device(spec.device)
         if self.device.type == "cpu":
             keep_large_allocations()
-        self.model = load_model(Path(spec.model_path), tp, spec.torch_dtype, self.device)
+        self.model = load_model(
+            Path(spec.model_path),
+            tp,
+            spec.torch_dtype,
+            self.device,
+            spec.config.small_batch_kernel,
+        )
         cfg = self.model.config
         self.kvcache: MHAKVCache = create_kvcache_pool(
             num_kv_heads=cfg.num_kv_heads,

@@ -146,6 +146,7 @@ each other and that would otherwise leave placement groups pending forever.
       "worker_cpus" $e.workerCpus
       "worker_threads" $e.workerThreads
       "bind_threads" $e.bindThreads
+      "small_batch_kernel" $e.smallBatchKernel
       "router" .Values.serve.router
       "router_load_margin" (int .Values.serve.routerLoadMargin)
       "share_kv" .Values.serve.shareKv
