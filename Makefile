@@ -35,7 +35,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-	$(VENV)/bin/clang-format --dry-run --Werror kvray/csrc/*.cpp
+	$(VENV)/bin/clang-format --dry-run --Werror kvray/csrc/*.cpp kvray/csrc/*.h
 	$(VENV)/bin/mypy
 
 bench-scheduler: $(STAMP)

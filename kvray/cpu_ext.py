@@ -2,9 +2,10 @@
 
 The kernels are real source files in `kvray/csrc/` (each ends with its pybind11 module
 definition), shipped with the package. The first `load()` compiles one with torch's
-`cpp_extension.load`, under a name that carries a hash of its source, its flags and the
-torch version: an edited source is a new build, never a stale binary, and later processes
-only load what torch cached under ~/.cache/torch_extensions (or TORCH_EXTENSIONS_DIR).
+`cpp_extension.load`, under a name that carries a hash of its source, the headers beside
+it, its flags and the torch version: an edited source or header is a new build, never a
+stale binary, and later processes only load what torch cached under
+~/.cache/torch_extensions (or TORCH_EXTENSIONS_DIR).
 Where it cannot be built (no AVX-512 where its kernels need it, no compiler or ninja) or
 `KVRAY_CPU_KERNELS=0` is set, `load()` returns None and callers keep to their plain path.
 """
@@ -58,6 +59,8 @@ class CpuExtension:
         import torch
 
         digest = hashlib.sha256(self.source.read_bytes())
+        for header in sorted(self.source.parent.glob("*.h")):  # what it may #include
+            digest.update(header.name.encode() + b"\0" + header.read_bytes())
         digest.update("\0".join([*self.extra_cflags, torch.__version__]).encode())
         return f"kvray_{self.source.stem}_{digest.hexdigest()[:16]}"
 

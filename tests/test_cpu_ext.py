@@ -19,14 +19,17 @@ def test_switched_off_never_builds(monkeypatch, tmp_path) -> None:
 
 
 def test_every_source_edit_is_a_new_build(tmp_path) -> None:
-    """Builds are named by a hash of the source and flags: an edit never loads a stale
-    binary, and the shipped kernels are real files."""
+    """Builds are named by a hash of the source, the headers beside it and the flags: an
+    edit never loads a stale binary, and the shipped kernels are real files."""
     source = tmp_path / "k.cpp"
     source.write_text("int f() { return 0; }\n")
     name = CpuExtension(source).build_name()
     assert name.startswith("kvray_k_") and name == CpuExtension(source).build_name()
     assert CpuExtension(source, ["-DX"]).build_name() != name
     source.write_text("int f() { return 1; }\n")
+    assert CpuExtension(source).build_name() != name
+    name = CpuExtension(source).build_name()
+    (tmp_path / "shared.h").write_text("#pragma once\n")  # a header it may include
     assert CpuExtension(source).build_name() != name
     shipped = sorted(p.name for p in cpu_ext.CSRC.glob("*.cpp"))
     assert shipped == ["amx_linear.cpp", "fused_ops.cpp", "omp_bind.cpp", "paged_attention.cpp"]

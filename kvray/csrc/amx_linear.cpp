@@ -12,9 +12,7 @@
 
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
 #include <torch/extension.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -24,6 +22,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVRAY_AMX 1
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -32,32 +31,11 @@ using bf16 = uint16_t;
 constexpr int64_t kMaxRows = 32;  // two A tiles of 16 rows
 
 #ifdef KVRAY_AMX
-// Linux grants the tile registers per process on request.
-bool tiles_granted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
+using kvray_amx::configure_full_tiles;
+using kvray_amx::tiles_permitted;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes: 0-3 sums (float32 16 x 16: rows 0-15 / 16-31 by columns
-// 0-15 / 16-31 of a 32-column block), 4-5 A (16 rows x 32 bf16 of K), 6-7 B (16 K pairs x
-// 16 columns x 2).
-void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// The tiles: 0-3 sums (float32 16 x 16: rows 0-15 / 16-31 by columns 0-15 / 16-31 of a
+// 32-column block), 4-5 A (16 rows x 32 bf16 of K), 6-7 B (16 K pairs x 16 columns x 2).
 
 // n <= 32 float32 sums (+ bias) -> bf16, rounded to nearest even.
 inline void store_row(const float* sums, const float* bias, bf16* dst, int64_t n) {
@@ -75,7 +53,7 @@ inline void store_row(const float* sums, const float* bias, bf16* dst, int64_t n
 }  // namespace
 
 #ifdef KVRAY_AMX
-bool available() { return tiles_granted(); }
+bool available() { return tiles_permitted(); }
 
 // W [N, K] (K a multiple of 32) -> tiles [ceil(N / 32), K / 32, 2, 16, 16, 2]:
 // tiles[b][k][t][r][c][e] = W[32 b + 16 t + c][32 k + 2 r + e], columns past N zero. Per
@@ -110,7 +88,7 @@ torch::Tensor pack_tiles(torch::Tensor w) {
 
 torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles, int64_t N,
                            std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(tiles_granted(), "the AMX tile registers are not available");
+  TORCH_CHECK(tiles_permitted(), "the AMX tile registers are not available");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: 2-D bf16");
   if (x.stride(1) != 1) x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), NB = tiles.size(0), KB = tiles.size(1);
@@ -131,7 +109,7 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles, int64_t N,
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), NB));
 #pragma omp parallel num_threads(threads)
   {
-    configure_tiles();
+    configure_full_tiles();
     alignas(64) float sums[32 * 32];
     const int nt = omp_get_num_threads(), id = omp_get_thread_num();
     const int64_t per = (NB + nt - 1) / nt;

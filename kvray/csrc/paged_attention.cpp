@@ -15,8 +15,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVRAY_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -322,34 +321,11 @@ void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t
 // P.V on the tiles (bf16 in, float32 sums), online softmax in float32 with AVX-512.
 // K and V are first packed per (request, KV head) into the tiles' pair-interleaved layout.
 
-// Linux grants the tile registers per process on request; a kernel or VM that refuses them
-// leaves the SDPA path.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using kvray_amx::configure_full_tiles;
 
 // Every tile is 16 rows x 64 bytes: 0-1 queries (A, 32 dims each), 2 keys (B), 3-4 scores
 // (C, 16 keys each), 5 probabilities (A, 32 keys), 6 values (B, 16 dims), 7 P.V (C).
-inline void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// A kernel or VM that refuses the tile registers leaves the SDPA path.
 
 // kp[kb][j][r][n][e] = K[16 kb + n][32 j + 2 r + e]: per 16-key block and 32-dim chunk, a
 // B tile (16 dim pairs x 16 keys). vp[vb][c][r][n][e] = V[32 vb + 2 r + e][16 c + n]: per
@@ -581,7 +557,8 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1), E = qstart.size(0);
   if (q.scalar_type() != torch::kBFloat16 || k.scalar_type() != torch::kBFloat16 ||
       (D != 32 && D != 64 && D != 128 && D != 256) || Hq % Hkv || q.stride(2) != 1 ||
-      out.stride(2) != 1 || !k.is_contiguous() || !v.is_contiguous() || !amx_permitted())
+      out.stride(2) != 1 || !k.is_contiguous() || !v.is_contiguous() ||
+      !kvray_amx::tiles_permitted())
     return false;
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && kstart.scalar_type() == torch::kInt64);
   const int64_t G = Hq / Hkv, row = Hkv * D;
@@ -614,7 +591,7 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   for (int64_t e = 0; e < E; ++e) tstart[e + 1] = tstart[e] + Hq * ((ql[e] + 15) / 16);
   const int64_t qrs = q.stride(0), qhs = q.stride(1), ors = out.stride(0), ohs = out.stride(1);
   at::parallel_for(0, tstart[E], 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    configure_full_tiles();
     int64_t e = std::upper_bound(tstart.begin(), tstart.end(), begin) - tstart.begin() - 1;
     for (int64_t t = begin; t < end; ++t) {
       while (t >= tstart[e + 1]) ++e;
