@@ -29,7 +29,10 @@ serve: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/kvray generate --prompt "$(PROMPT)"
 
+# The C++ kernels are compiled (two at a time, into torch's extension cache) before the
+# tests, not by whichever test first needs each.
 test: $(STAMP)
+	$(PY) -m kvray.cpu_ext
 	$(PY) -m pytest -q --durations=15
 
 

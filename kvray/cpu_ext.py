@@ -40,6 +40,16 @@ def cpu_has_avx512() -> bool:
         return False
 
 
+# The modules that declare kvray's extensions (each at import), and the ones declared.
+KERNEL_MODULES = (
+    "kvray.models.fused",
+    "kvray.models.packed",
+    "kvray.attention.cpu_paged",
+    "kvray.workers.cpu_bind",
+)
+_DECLARED: list[CpuExtension] = []
+
+
 class CpuExtension:
     """One C++ source file (in `kvray/csrc`), for AVX-512 CPUs unless `requires_avx512` is
     False, built at most once per process (thread-safe)."""
@@ -53,6 +63,8 @@ class CpuExtension:
         self._lock = threading.Lock()
         self._module: Any = None
         self._tried = False
+        self._args = (source, tuple(extra_cflags), requires_avx512)  # to rebuild it elsewhere
+        _DECLARED.append(self)
 
     def build_name(self) -> str:
         """The module's name: the file's stem and a hash of what the binary depends on."""
@@ -88,3 +100,33 @@ class CpuExtension:
 
     def available(self) -> bool:
         return self.load() is not None
+
+
+def _build(args: tuple[Path, tuple[str, ...], bool]) -> tuple[str, bool]:
+    source, cflags, requires_avx512 = args
+    return source.name, CpuExtension(source, cflags, requires_avx512).available()
+
+
+def build_all(jobs: int = 2) -> dict[str, bool]:
+    """Compile every kernel now, `jobs` at a time in processes of their own, into torch's
+    extension cache, where every later process finds them (a server's workers then start
+    without compiling). Returns which are available."""
+    import importlib
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    for name in KERNEL_MODULES:
+        importlib.import_module(name)
+    todo = {ext.source: ext._args for ext in _DECLARED if ext.source.parent == CSRC}
+    # Fresh processes (spawn), not forks of this one, whatever threads it runs.
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=spawn) as pool:
+        return dict(pool.map(_build, todo.values()))
+
+
+if __name__ == "__main__":
+    # Run as a script this file is `__main__`; the kernels declare themselves in the module.
+    from kvray import cpu_ext
+
+    for name, ok in sorted(cpu_ext.build_all().items()):
+        print(f"{name}: {'built' if ok else 'unavailable here'}")

@@ -46,3 +46,12 @@ def test_a_failed_build_is_a_warning_and_none(monkeypatch, caplog, tmp_path) -> 
     assert "broken_build.cpp unavailable" in caplog.text
     caplog.clear()
     assert ext.load() is None and not caplog.text  # tried once, not again
+
+
+def test_build_all_covers_every_shipped_kernel() -> None:
+    """`python -m kvray.cpu_ext` (run before the tests) builds every kernel kvray ships;
+    on an AVX-512 machine each is then available (the AMX one says whether it may run)."""
+    built = cpu_ext.build_all()
+    assert sorted(built) == sorted(p.name for p in cpu_ext.CSRC.glob("*.cpp"))
+    if cpu_ext.kernels_enabled() and cpu_ext.cpu_has_avx512():
+        assert all(built.values())
