@@ -40,14 +40,13 @@ def cpu_has_avx512() -> bool:
         return False
 
 
-# The modules that declare kvray's extensions (each at import), and the ones declared.
+# The modules of kvray's kernels, each holding its CpuExtension as `_EXTENSION`.
 KERNEL_MODULES = (
     "kvray.models.fused",
     "kvray.models.packed",
     "kvray.attention.cpu_paged",
     "kvray.workers.cpu_bind",
 )
-_DECLARED: list[CpuExtension] = []
 
 
 class CpuExtension:
@@ -63,8 +62,6 @@ class CpuExtension:
         self._lock = threading.Lock()
         self._module: Any = None
         self._tried = False
-        self._args = (source, tuple(extra_cflags), requires_avx512)  # to rebuild it elsewhere
-        _DECLARED.append(self)
 
     def build_name(self) -> str:
         """The module's name: the file's stem and a hash of what the binary depends on."""
@@ -102,30 +99,29 @@ class CpuExtension:
         return self.load() is not None
 
 
-def _build(args: tuple[Path, tuple[str, ...], bool]) -> tuple[str, bool]:
-    source, cflags, requires_avx512 = args
-    return source.name, CpuExtension(source, cflags, requires_avx512).available()
+def _build(module: str) -> tuple[str, bool]:
+    import importlib
+
+    ext: CpuExtension = importlib.import_module(module)._EXTENSION
+    return ext.source.name, ext.available()
 
 
 def build_all(jobs: int = 2) -> dict[str, bool]:
     """Compile every kernel now, `jobs` at a time in processes of their own, into torch's
     extension cache, where every later process finds them (a server's workers then start
     without compiling). Returns which are available."""
-    import importlib
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    for name in KERNEL_MODULES:
-        importlib.import_module(name)
-    todo = {ext.source: ext._args for ext in _DECLARED if ext.source.parent == CSRC}
     # Fresh processes (spawn), not forks of this one, whatever threads it runs.
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=spawn) as pool:
-        return dict(pool.map(_build, todo.values()))
+        return dict(pool.map(_build, KERNEL_MODULES))
 
 
 if __name__ == "__main__":
-    # Run as a script this file is `__main__`; the kernels declare themselves in the module.
+    # Run as a script this file is `__main__`: the pool's children must find `_build` under
+    # its importable name.
     from kvray import cpu_ext
 
     for name, ok in sorted(cpu_ext.build_all().items()):

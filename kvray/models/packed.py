@@ -23,7 +23,7 @@ import torch
 
 from kvray.cpu_ext import CSRC, CpuExtension, kernels_enabled
 
-_TILES = CpuExtension(CSRC / "amx_linear.cpp")
+_EXTENSION = CpuExtension(CSRC / "amx_linear.cpp")
 # The most rows the tile kernel takes (two A tiles); more go to oneDNN.
 TILE_ROWS = 32
 
@@ -55,13 +55,13 @@ def can_tile(weight: torch.Tensor) -> bool:
     multiple of 32, and a CPU (and OS) that gives this process the AMX tiles."""
     if not can_pack(weight) or weight.shape[1] % 32 != 0:
         return False
-    mod = _TILES.load()
+    mod = _EXTENSION.load()
     return mod is not None and bool(mod.available())
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     """The tile-layout copy of a [out, in] weight (`can_tile(weight)` must hold)."""
-    return _TILES.load().pack_tiles(weight.detach())
+    return _EXTENSION.load().pack_tiles(weight.detach())
 
 
 def packed_linear(
@@ -75,6 +75,7 @@ def packed_linear(
     weight's `tiles` (and its `out_features`), products of up to TILE_ROWS rows run on them."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if tiles is not None and rows <= TILE_ROWS:
-        out = _TILES.load().linear_tiles(x.reshape(rows, x.shape[-1]), tiles, out_features, bias)
+        flat = x.reshape(rows, x.shape[-1])
+        out = _EXTENSION.load().linear_tiles(flat, tiles, out_features, bias)
         return out.reshape(*x.shape[:-1], out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

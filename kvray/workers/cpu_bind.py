@@ -179,8 +179,3 @@ class ThreadBinding:
             self._pinned.add(me)
         if any(status):
             log.warning("pinning torch threads to %s: statuses %s", self.claim.cpus, status)
-
-    def release(self) -> None:
-        if self.claim is not None:
-            self.claim.release()
-            self.claim = None
