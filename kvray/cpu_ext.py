@@ -3,9 +3,10 @@
 The kernels are real source files in `kvray/csrc/` (each ends with its pybind11 module
 definition), shipped with the package. The first `load()` compiles one with torch's
 `cpp_extension.load`, under a name that carries a hash of its source, the headers beside
-it, its flags and the torch version: an edited source or header is a new build, never a
-stale binary, and later processes only load what torch cached under
-~/.cache/torch_extensions (or TORCH_EXTENSIONS_DIR).
+it, its flags, the torch version and the CPU it is compiled for (`-march=native`): an edited
+source or header, or another CPU, is a new build, never a stale or illegal binary, and
+later processes only load what torch cached under ~/.cache/torch_extensions (or
+TORCH_EXTENSIONS_DIR).
 Where it cannot be built (no AVX-512 where its kernels need it, no compiler or ninja) or
 `KVRAY_CPU_KERNELS=0` is set, `load()` returns None and callers keep to their plain path.
 """
@@ -32,12 +33,27 @@ def kernels_enabled() -> bool:
 
 
 @cache
-def cpu_has_avx512() -> bool:
+def _cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return "avx512f" in f.read()
+            return f.read()
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_avx512() -> bool:
+    return "avx512f" in _cpuinfo()
+
+
+@cache
+def cpu_identity() -> str:
+    """The CPU's model name and instruction-set flags: what `-march=native` compiles for."""
+    fields = {}
+    for line in _cpuinfo().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("vendor_id", "model name", "flags") and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    return "\n".join(f"{k}={v}" for k, v in sorted(fields.items()))
 
 
 # The modules of kvray's kernels, each holding its CpuExtension as `_EXTENSION`.
@@ -71,6 +87,9 @@ class CpuExtension:
         for header in sorted(self.source.parent.glob("*.h")):  # what it may #include
             digest.update(header.name.encode() + b"\0" + header.read_bytes())
         digest.update("\0".join([*self.extra_cflags, torch.__version__]).encode())
+        # -march=native: a binary built on one CPU may not run on another (a shared home
+        # or an image moved between hosts), so the CPU it targets is part of its name.
+        digest.update(cpu_identity().encode())
         return f"kvray_{self.source.stem}_{digest.hexdigest()[:16]}"
 
     def load(self) -> Any:

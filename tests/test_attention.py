@@ -67,9 +67,9 @@ def test_cpu_backend_mixed_bfloat16_batch_with_the_prompt_kernel(
     page_size: int, head_dim: int, declines: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prompts, prompt chunks after cached prefixes and decodes in one bf16 step: the
-    prompts go to the AMX kernel where it runs (the backend keeps using it: it never
+    prompts go to the prompt kernel where it runs (the backend keeps using it: it never
     declined), else to SDPA; every row matches dense attention either way. With the
-    kernel made to decline (as it does without AMX), SDPA takes over mid-step."""
+    kernel made to decline (as it does without AVX-512 BF16), SDPA takes over mid-step."""
     if declines:
         monkeypatch.setattr(cpu_paged, "paged_extend", lambda *args: False)
     torch.manual_seed(page_size + head_dim)
@@ -87,10 +87,10 @@ def test_cpu_backend_mixed_bfloat16_batch_with_the_prompt_kernel(
     run_step(backend, pool, [(r, c, n) for r, (c, n) in enumerate(MIXED)], q_all, k_all, v_all, 0)
     probe = torch.zeros(1, 6, head_dim, dtype=torch.bfloat16)
     extends = cpu_paged.Extends(*(torch.zeros(n, dtype=torch.int64) for n in (1, 2, 1, 1)))
-    amx = cpu_paged.paged_extend(
+    runs = cpu_paged.paged_extend(
         probe, pool.cache.k_flat(0), pool.cache.v_flat(0), extends, 1.0, probe
     )
-    assert backend._extend_kernel == amx
+    assert backend._extend_kernel == runs
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

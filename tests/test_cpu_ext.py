@@ -18,9 +18,9 @@ def test_switched_off_never_builds(monkeypatch, tmp_path) -> None:
     assert ext.load() is None and not ext.available()
 
 
-def test_every_source_edit_is_a_new_build(tmp_path) -> None:
-    """Builds are named by a hash of the source, the headers beside it and the flags: an
-    edit never loads a stale binary, and the shipped kernels are real files."""
+def test_every_source_edit_is_a_new_build(monkeypatch, tmp_path) -> None:
+    """Builds are named by a hash of the source, the headers beside it, the flags and the
+    CPU: an edit never loads a stale binary, and the shipped kernels are real files."""
     source = tmp_path / "k.cpp"
     source.write_text("int f() { return 0; }\n")
     name = CpuExtension(source).build_name()
@@ -30,6 +30,10 @@ def test_every_source_edit_is_a_new_build(tmp_path) -> None:
     assert CpuExtension(source).build_name() != name
     name = CpuExtension(source).build_name()
     (tmp_path / "shared.h").write_text("#pragma once\n")  # a header it may include
+    assert CpuExtension(source).build_name() != name
+    name = CpuExtension(source).build_name()
+    # Compiled with -march=native: a binary from another CPU is never loaded here.
+    monkeypatch.setattr(cpu_ext, "cpu_identity", lambda: "vendor_id=Other\nflags=fpu sse2")
     assert CpuExtension(source).build_name() != name
     shipped = sorted(p.name for p in cpu_ext.CSRC.glob("*.cpp"))
     assert shipped == ["amx_linear.cpp", "fused_ops.cpp", "omp_bind.cpp", "paged_attention.cpp"]

@@ -108,10 +108,10 @@ def _extend_inputs(contexts, news, kv_heads, group, head_dim, page_size, seed):
     return q, k_pool, v_pool, slots, starts, extends
 
 
-def _extend_or_skip(q, k_pool, v_pool, extends, scale):
+def _extend_or_skip(q, k_pool, v_pool, extends, scale, tiles=True):
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-    if not cpu_paged.paged_extend(q, k_pool, v_pool, extends, scale, out):
-        pytest.skip("no AMX tile unit here (or the OS refuses it): the prompt kernel declines")
+    if not cpu_paged.paged_extend(q, k_pool, v_pool, extends, scale, out, tiles):
+        pytest.skip("no AVX-512 BF16 here: the prompt kernel declines")
     return out
 
 
@@ -127,14 +127,15 @@ def _extend_or_skip(q, k_pool, v_pool, extends, scale):
         ([9], [40], 1, 2, 256, 4),
     ],
 )
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles-where-amx", "dot-products"])
 def test_paged_extend_matches_dense_causal_attention(
-    contexts, news, kv_heads, group, head_dim, page_size
+    contexts, news, kv_heads, group, head_dim, page_size, tiles
 ):
     q, k_pool, v_pool, slots, starts, extends = _extend_inputs(
         contexts, news, kv_heads, group, head_dim, page_size, seed=sum(news)
     )
     scale = head_dim**-0.5
-    out = _extend_or_skip(q, k_pool, v_pool, extends, scale)
+    out = _extend_or_skip(q, k_pool, v_pool, extends, scale, tiles)
     for ctx, n, s, start in zip(contexts, news, slots, starts, strict=True):
         total = ctx + n
         mask = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]
@@ -150,7 +151,8 @@ def test_paged_extend_matches_dense_causal_attention(
         torch.testing.assert_close(out[start : start + n].float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_paged_extend_reads_no_slot_past_a_context_and_writes_only_its_rows():
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles-where-amx", "dot-products"])
+def test_paged_extend_reads_no_slot_past_a_context_and_writes_only_its_rows(tiles):
     q, k_pool, v_pool, slots, starts, extends = _extend_inputs(
         [3, 0], [30, 9], 2, 2, 64, 16, seed=7
     )
@@ -161,6 +163,6 @@ def test_paged_extend_reads_no_slot_past_a_context_and_writes_only_its_rows():
     q_rows = torch.zeros(q.shape[0] + 2, *q.shape[1:], dtype=q.dtype)
     q_rows[1:-1] = q  # the step's rows around the extends belong to others (decodes)
     shifted = cpu_paged.Extends(extends.slots, extends.k_start, extends.q_start + 1, extends.q_len)
-    out = _extend_or_skip(q_rows, k_pool, v_pool, shifted, 0.125)
+    out = _extend_or_skip(q_rows, k_pool, v_pool, shifted, 0.125, tiles)
     assert torch.isfinite(out[1:-1]).all()
     assert out[0].isnan().all() and out[-1].isnan().all()

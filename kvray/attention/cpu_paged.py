@@ -13,15 +13,16 @@ softmax in float32.
     page_table [B, max_len] int64 token slots; seq_lens [B] int64 context lengths
 returns [B, Hq, D].
 
-`paged_extend(q, k_flat, v_flat, extends, scale, out) -> bool`: each extending request's
-queries (a prompt, a chunk of one, or the part after a cached prefix) over its whole
-context, causally, on the AMX tile unit (flash-style: online softmax in float32, bf16
-products summed in float32). Compute bound where decode is memory bound: torch's CPU
-flash SDPA reaches a fraction of the matmul peak on prompt lengths of a few hundred
-tokens, and ran a third of a 4,096-token bf16 prefill step here. bfloat16 pools and
-head_dim 32, 64, 128 or 256 only; it returns False (and computes nothing) where it cannot
-run: no AMX, the OS refusing the tile registers, another dtype or head size. Writes each
-extend's rows of `out` [T, Hq, D].
+`paged_extend(q, k_flat, v_flat, extends, scale, out, tiles=True) -> bool`: each extending
+request's queries (a prompt, a chunk of one, or the part after a cached prefix) over its
+whole context, causally (flash-style: online softmax in float32, bf16 products summed in
+float32), on the AMX tile unit where the CPU and OS give it (and `tiles`), else on AVX-512
+BF16 dot products (AMD Zen 4/5, Intel Cooper Lake and later). Compute bound where decode is
+memory bound: torch's CPU flash SDPA reaches a fraction of the matmul peak on prompt
+lengths of a few hundred tokens, and ran a third of a 4,096-token bf16 prefill step on
+either kind of CPU. bfloat16 pools and head_dim 32, 64, 128 or 256 only; it returns False
+(and computes nothing) where it cannot run: no AVX-512 BF16, another dtype or head size.
+Writes each extend's rows of `out` [T, Hq, D].
 
 `available()` is False where the extension cannot be built (no compiler, no AVX-512):
 callers then use the torch path.
@@ -80,6 +81,7 @@ def paged_extend(
     extends: Extends,
     scale: float,
     out: torch.Tensor,
+    tiles: bool = True,
 ) -> bool:
     ran: bool = _module().paged_extend(
         q,
@@ -91,5 +93,6 @@ def paged_extend(
         extends.q_len,
         scale,
         out,
+        tiles,
     )
     return ran

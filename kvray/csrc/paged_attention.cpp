@@ -1,8 +1,8 @@
 // Paged attention for CPUs, reading K/V in place through the page table (cpu_paged.py):
 //   paged_decode   one query per request; AVX-512 (bf16 dot products where the CPU has them)
-//   paged_extend   a request's prompt (chunk) over its whole context; AMX tiles, bf16 only,
-//                  head_dim 32, 64, 128 or 256; returns false where it cannot run (the caller then
-//                  uses torch's SDPA)
+//   paged_extend   a request's prompt (chunk) over its whole context; AMX tiles, else AVX-512
+//                  BF16 dot products; bf16 only, head_dim 32, 64, 128 or 256; returns false
+//                  where it cannot run (the caller then uses torch's SDPA)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -313,23 +313,22 @@ void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t
   });
 }
 
-#ifdef KVRAY_AMX
-// ---- extend (prefill) attention on the AMX tile unit -------------------------------------
+#ifdef __AVX512BF16__
+// ---- extend (prefill) attention -----------------------------------------------------------
 // Each request's new queries attend over its whole context (cached prefix + this step's
 // tokens, all already in the pool), causally: query i of Lq sees keys 0 .. Lk - Lq + i.
-// Flash-style: per (request, query head, block of 16 queries), 32 keys at a time, scores and
-// P.V on the tiles (bf16 in, float32 sums), online softmax in float32 with AVX-512.
-// K and V are first packed per (request, KV head) into the tiles' pair-interleaved layout.
+// Flash-style: per (request, query head, block of 16 queries), 32 keys at a time, online
+// softmax in float32. K and V are first packed per (request, KV head) into a bf16
+// pair-interleaved layout that serves two engines of products (bf16 in, float32 sums):
+//   AMX tiles (attend_block_tiles), where the CPU and OS give them;
+//   AVX-512 BF16 dot products (attend_block_dp) elsewhere: each VDPBF16PS takes 16 lanes
+//   of one bf16 pair, a query's dim pair (broadcast) against 16 keys for the scores, a
+//   query's pair of key probabilities (broadcast) against 16 dims of two values for P.V.
 
-using kvray_amx::configure_full_tiles;
-
-// Every tile is 16 rows x 64 bytes: 0-1 queries (A, 32 dims each), 2 keys (B), 3-4 scores
-// (C, 16 keys each), 5 probabilities (A, 32 keys), 6 values (B, 16 dims), 7 P.V (C).
-// A kernel or VM that refuses the tile registers leaves the SDPA path.
-
-// kp[kb][j][r][n][e] = K[16 kb + n][32 j + 2 r + e]: per 16-key block and 32-dim chunk, a
-// B tile (16 dim pairs x 16 keys). vp[vb][c][r][n][e] = V[32 vb + 2 r + e][16 c + n]: per
-// 32-key block and 16-dim chunk, a B tile (16 key pairs x 16 dims). Keys past L are zeros.
+// kp[kb][j][r][n][e] = K[16 kb + n][32 j + 2 r + e]: per 16-key block and 32-dim chunk, 16
+// dim pairs x 16 keys (a B tile; row r is 16 keys' dim pair 16 j + r). vp[vb][c][r][n][e] =
+// V[32 vb + 2 r + e][16 c + n]: per 32-key block and 16-dim chunk, 16 key pairs x 16 dims (a
+// B tile; row r is key pair r's 16 dims). Keys past L are zeros.
 void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t L, int64_t h,
              int64_t row, int64_t D, uint16_t* kp, uint16_t* vp) {
   // Both padded to whole 32-key blocks: the scores read two 16-key blocks at a time.
@@ -354,6 +353,97 @@ void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* slots, int64_t
             vp[(((vb * NC + c) * 16 + r) * 16 + n) * 2 + e] = src ? src[16 * c + n] : 0;
       }
 }
+
+// Lazy rescaling: a row's exponents are taken against a reference max that moves only when a
+// score exceeds it by more than this (natural log units): the outputs then accumulate
+// untouched across blocks (probabilities stay below e^8 ~ 3000, exact enough in float32 and
+// bf16's relative precision).
+constexpr float kRescaleMargin = 8.0f;
+
+// The online softmax of one block of 32 keys, the scores `sbuf` [16][32] of the block's
+// queries (rows past nq are padding; row r is at position first_pos + r and sees keys up to
+// it): probabilities as bf16 into pbuf [16][32] (0 for keys a row may not see), their sums
+// added to lacc [16][16]. A row whose reference max m[r] moves gets its lacc rescaled and
+// alpha[r], the factor its output so far must take; every other alpha is 1. Returns whether
+// any row moved (rare).
+inline bool softmax_block(const float* sbuf, uint16_t* pbuf, float* lacc, float* m, float* alpha,
+                          int64_t nq, int64_t first_pos, int64_t k0, int64_t L, __m512 vscale) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  bool rescale = false;
+  for (int64_t r = 0; r < 16; ++r) {
+    alpha[r] = 1.0f;
+    uint16_t* pr = pbuf + r * 32;
+    const int64_t vis = r < nq ? std::min<int64_t>(first_pos + r + 1, L) - k0 : 0;
+    if (vis <= 0) {  // nothing of this block visible (or a padding row)
+      _mm512_storeu_si512(pr, _mm512_setzero_si512());
+      continue;
+    }
+    const __mmask16 m0 = vis >= 16 ? 0xFFFF : (__mmask16)((1u << vis) - 1);
+    const __mmask16 m1 = vis >= 32 ? 0xFFFF : vis <= 16 ? 0 : (__mmask16)((1u << (vis - 16)) - 1);
+    const __m512 s0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(sbuf + r * 32), vscale);
+    const __m512 s1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(sbuf + r * 32 + 16), vscale);
+    // The reference max moves only when a score passes it by the margin (checked without a
+    // horizontal reduction, which the common case then skips).
+    const __m512 limit = _mm512_set1_ps(m[r] + kRescaleMargin);
+    if (_mm512_cmp_ps_mask(s0, limit, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, limit, _CMP_GT_OQ)) {
+      const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      if (m[r] != -INFINITY) {
+        alpha[r] = std::exp(m[r] - mx);
+        rescale = true;
+        _mm512_store_ps(lacc + 16 * r,
+                        _mm512_mul_ps(_mm512_load_ps(lacc + 16 * r), _mm512_set1_ps(alpha[r])));
+      }
+      m[r] = mx;
+    }
+    const __m512 vm = _mm512_set1_ps(m[r]);
+    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, vm)));
+    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, vm)));
+    const __m256bh b0 = _mm512_cvtneps_pbh(p0), b1 = _mm512_cvtneps_pbh(p1);
+    // The sum is of the rounded probabilities, the ones P.V multiplies.
+    const __m512 r0 = load16(reinterpret_cast<const uint16_t*>(&b0));
+    const __m512 r1 = load16(reinterpret_cast<const uint16_t*>(&b1));
+    _mm512_store_ps(lacc + 16 * r,
+                    _mm512_add_ps(_mm512_load_ps(lacc + 16 * r), _mm512_add_ps(r0, r1)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr), (__m256i)b0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16), (__m256i)b1);
+  }
+  return rescale;
+}
+
+// o [16][D] (row stride D) times alpha, row by row.
+inline void rescale_rows(float* o, const float* alpha, int64_t D) {
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_store_ps(o + r * D + d,
+                      _mm512_mul_ps(_mm512_load_ps(o + r * D + d), _mm512_set1_ps(alpha[r])));
+}
+
+// The block's first nq output rows: o [16][D] over each row's probability sum, as bf16.
+inline void finish_rows(const float* o, const float* lacc, int64_t nq, int64_t D, uint16_t* out,
+                        int64_t out_row_stride) {
+  for (int64_t r = 0; r < nq; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(lacc + 16 * r)));
+    for (int64_t d = 0; d < D; d += 16)
+      store16(out + r * out_row_stride + d, _mm512_mul_ps(_mm512_load_ps(o + r * D + d), inv));
+  }
+}
+
+// Up to 16 query rows (row stride q_row_stride) -> bf16 [16][D], padding rows zero.
+inline void load_queries(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t D,
+                         uint16_t* qbuf) {
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = r < nq ? q[r * q_row_stride + d] : 0;
+}
+
+using BlockFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, const uint16_t*,
+                         const uint16_t*, float, uint16_t*, int64_t);
+
+#ifdef KVRAY_AMX
+using kvray_amx::configure_full_tiles;
+
+// Every tile is 16 rows x 64 bytes: 0-1 queries (A, 32 dims each), 2 keys (B), 3-4 scores
+// (C, 16 keys each), 5 probabilities (A, 32 keys), 6 values (B, 16 dims), 7 P.V (C).
+// A kernel or VM that refuses the tile registers leaves the dot-product path.
 
 // Output chunks (16 dims each) that stay in tiles 4-7 across key blocks; a head_dim past 64
 // keeps the rest in memory.
@@ -395,19 +485,13 @@ inline void load_out_tiles(const float* o, int64_t D) {
   }
 }
 
-// Lazy rescaling: a row's exponents are taken against a reference max that moves only when a
-// score exceeds it by more than this (natural log units): the output tiles then accumulate
-// untouched across blocks (probabilities stay below e^8 ~ 3000, exact enough in float32 and
-// bf16's relative precision).
-constexpr float kRescaleMargin = 8.0f;
-
 // One block of up to 16 queries (rows of one request, one query head) over its keys.
 // NC = D / 16 output chunks: the first four in tiles 4-7, the rest (D > 64) added up in
 // memory from a scratch tile (1, with 0 for V: the query and key tiles are free by then).
 template <int NC>
-void attend_block(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t first_pos, int64_t L,
-                  const uint16_t* kp, const uint16_t* vp, float scale, uint16_t* out,
-                  int64_t out_row_stride) {
+void attend_block_tiles(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t first_pos,
+                        int64_t L, const uint16_t* kp, const uint16_t* vp, float scale,
+                        uint16_t* out, int64_t out_row_stride) {
   constexpr int64_t D = NC * 16, NP = D / 32;
   alignas(64) uint16_t qbuf[16 * D];
   alignas(64) float sbuf[16 * 32];
@@ -416,9 +500,10 @@ void attend_block(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t f
   alignas(64) float o[16 * D];  // [16][D]: the tiles' chunks on the way out, then the rest
   constexpr int64_t NT = NC < kTileChunks ? NC : kTileChunks;  // chunks held in tiles
   alignas(64) float cbuf[16 * 16];
+  alignas(64) float alpha[16];
   float m[16];
+  load_queries(q, q_row_stride, nq, D, qbuf);
   for (int64_t r = 0; r < 16; ++r) {
-    for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = r < nq ? q[r * q_row_stride + d] : 0;
     _mm512_store_ps(lacc + 16 * r, _mm512_setzero_ps());
     for (int64_t d = NT * 16; d < D; ++d) o[r * D + d] = 0.0f;
     m[r] = -INFINITY;
@@ -429,7 +514,7 @@ void attend_block(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t f
     _tile_zero(6);
     _tile_zero(7);
   }
-  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t kend = std::min<int64_t>(L, first_pos + nq);  // keys the last row sees
   for (int64_t k0 = 0; k0 < kend; k0 += 32) {
     _tile_zero(2);
@@ -443,51 +528,10 @@ void attend_block(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t f
     }
     _tile_stored(2, sbuf, 128);
     _tile_stored(3, sbuf + 16, 128);
-    bool rescale = false;
-    alignas(64) float alpha[16];
-    for (int64_t r = 0; r < 16; ++r) {
-      alpha[r] = 1.0f;
-      uint16_t* pr = pbuf + r * 32;
-      const int64_t vis = r < nq ? std::min<int64_t>(first_pos + r + 1, L) - k0 : 0;
-      if (vis <= 0) {  // nothing of this block visible (or a padding row)
-        _mm512_storeu_si512(pr, _mm512_setzero_si512());
-        continue;
-      }
-      const __mmask16 m0 = vis >= 16 ? 0xFFFF : (__mmask16)((1u << vis) - 1);
-      const __mmask16 m1 = vis >= 32 ? 0xFFFF : vis <= 16 ? 0 : (__mmask16)((1u << (vis - 16)) - 1);
-      const __m512 s0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(sbuf + r * 32), vscale);
-      const __m512 s1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(sbuf + r * 32 + 16), vscale);
-      // The reference max moves only when a score passes it by the margin (checked
-      // without a horizontal reduction, which the common case then skips).
-      const __m512 limit = _mm512_set1_ps(m[r] + kRescaleMargin);
-      if (_mm512_cmp_ps_mask(s0, limit, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, limit, _CMP_GT_OQ)) {
-        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-        if (m[r] != -INFINITY) {
-          alpha[r] = std::exp(m[r] - mx);
-          rescale = true;
-          _mm512_store_ps(lacc + 16 * r,
-                          _mm512_mul_ps(_mm512_load_ps(lacc + 16 * r), _mm512_set1_ps(alpha[r])));
-        }
-        m[r] = mx;
-      }
-      const __m512 vm = _mm512_set1_ps(m[r]);
-      const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, vm)));
-      const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, vm)));
-      const __m256bh b0 = _mm512_cvtneps_pbh(p0), b1 = _mm512_cvtneps_pbh(p1);
-      // The sum is of the rounded probabilities, the ones P.V multiplies.
-      const __m512 r0 = load16(reinterpret_cast<const uint16_t*>(&b0));
-      const __m512 r1 = load16(reinterpret_cast<const uint16_t*>(&b1));
-      _mm512_store_ps(lacc + 16 * r,
-                      _mm512_add_ps(_mm512_load_ps(lacc + 16 * r), _mm512_add_ps(r0, r1)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr), (__m256i)b0);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16), (__m256i)b1);
-    }
-    if (rescale) {  // rare: a row's max moved; bring its output down to the new reference
+    if (softmax_block(sbuf, pbuf, lacc, m, alpha, nq, first_pos, k0, L, vscale)) {
+      // a row's max moved: bring its output down to the new reference
       store_out_tiles<NT>(o, D);
-      for (int64_t r = 0; r < 16; ++r)
-        for (int64_t c = 0; c < NC; ++c)
-          _mm512_store_ps(o + r * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + r * D + 16 * c),
-                                                            _mm512_set1_ps(alpha[r])));
+      rescale_rows(o, alpha, D);
       load_out_tiles<NT>(o, D);
     }
     _tile_loadd(2, pbuf, 64);
@@ -505,14 +549,120 @@ void attend_block(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t f
     }
   }
   store_out_tiles<NT>(o, D);
-  for (int64_t r = 0; r < nq; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(lacc + 16 * r)));
-    for (int64_t c = 0; c < NC; ++c)
-      store16(out + r * out_row_stride + 16 * c,
-              _mm512_mul_ps(_mm512_load_ps(o + r * D + 16 * c), inv));
+  finish_rows(o, lacc, nq, D, out, out_row_stride);
+}
+#endif  // KVRAY_AMX
+
+// 16 lanes of the bf16 pair at p, as one VDPBF16PS operand.
+inline __m512bh pair16(const uint16_t* p) {
+  return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+}
+inline __m512bh row16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// Rows handled at once by the dot-product kernel: 8 rows x 2 vectors of sums in registers.
+constexpr int64_t kDpRows = 8;
+
+// sbuf [16][32] = qbuf [16][D] . keys of the 32-key block at kblock (two 16-key blocks of
+// kp), for the first `rows` query rows (8 or 16).
+template <int NP>
+inline void scores_dp(const uint16_t* qbuf, int64_t rows, const uint16_t* kblock, float* sbuf) {
+  constexpr int64_t D = NP * 32;
+  for (int64_t r0 = 0; r0 < rows; r0 += kDpRows) {
+    __m512 acc[kDpRows][2];
+    for (int64_t i = 0; i < kDpRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < NP; ++j)
+      for (int64_t r = 0; r < 16; ++r) {  // dim pair 16 j + r
+        const __m512bh k0 = row16(kblock + (j * 16 + r) * 32);
+        const __m512bh k1 = row16(kblock + ((NP + j) * 16 + r) * 32);
+        const uint16_t* qp = qbuf + r0 * D + 32 * j + 2 * r;
+        for (int64_t i = 0; i < kDpRows; ++i) {
+          const __m512bh qi = pair16(qp + i * D);
+          acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qi, k0);
+          acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qi, k1);
+        }
+      }
+    for (int64_t i = 0; i < kDpRows; ++i) {
+      _mm512_store_ps(sbuf + (r0 + i) * 32, acc[i][0]);
+      _mm512_store_ps(sbuf + (r0 + i) * 32 + 16, acc[i][1]);
+    }
   }
 }
+
+// o [16][D] += pbuf [16][32] . the values of the 32-key block at vblock (vp's layout), for
+// the first `rows` query rows, two 16-dim chunks at a time.
+template <int NC>
+inline void pv_dp(const uint16_t* pbuf, int64_t rows, const uint16_t* vblock, float* o) {
+  constexpr int64_t D = NC * 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kDpRows)
+    for (int64_t c = 0; c < NC; c += 2) {
+      __m512 acc[kDpRows][2];
+      for (int64_t i = 0; i < kDpRows; ++i) {
+        acc[i][0] = _mm512_load_ps(o + (r0 + i) * D + 16 * c);
+        acc[i][1] = _mm512_load_ps(o + (r0 + i) * D + 16 * c + 16);
+      }
+      for (int64_t r = 0; r < 16; ++r) {  // key pair r
+        const __m512bh v0 = row16(vblock + (c * 16 + r) * 32);
+        const __m512bh v1 = row16(vblock + ((c + 1) * 16 + r) * 32);
+        const uint16_t* pp = pbuf + r0 * 32 + 2 * r;
+        for (int64_t i = 0; i < kDpRows; ++i) {
+          const __m512bh pi = pair16(pp + i * 32);
+          acc[i][0] = _mm512_dpbf16_ps(acc[i][0], pi, v0);
+          acc[i][1] = _mm512_dpbf16_ps(acc[i][1], pi, v1);
+        }
+      }
+      for (int64_t i = 0; i < kDpRows; ++i) {
+        _mm512_store_ps(o + (r0 + i) * D + 16 * c, acc[i][0]);
+        _mm512_store_ps(o + (r0 + i) * D + 16 * c + 16, acc[i][1]);
+      }
+    }
+}
+
+// attend_block_tiles' block on AVX-512 BF16 dot products: the same packed K/V, blocks and
+// softmax; padding rows past nq (to a multiple of 8) are computed on zero queries and dropped.
+template <int NC>
+void attend_block_dp(const uint16_t* q, int64_t q_row_stride, int64_t nq, int64_t first_pos,
+                     int64_t L, const uint16_t* kp, const uint16_t* vp, float scale, uint16_t* out,
+                     int64_t out_row_stride) {
+  constexpr int64_t D = NC * 16, NP = D / 32;
+  alignas(64) uint16_t qbuf[16 * D];
+  alignas(64) float sbuf[16 * 32];
+  alignas(64) uint16_t pbuf[16 * 32];
+  alignas(64) float lacc[16 * 16];
+  alignas(64) float o[16 * D];
+  alignas(64) float alpha[16];
+  float m[16];
+  load_queries(q, q_row_stride, nq, D, qbuf);
+  std::fill(o, o + 16 * D, 0.0f);
+  std::fill(lacc, lacc + 16 * 16, 0.0f);
+  std::fill(m, m + 16, -INFINITY);
+  const int64_t rows = nq <= kDpRows ? kDpRows : 2 * kDpRows;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const int64_t kend = std::min<int64_t>(L, first_pos + nq);  // keys the last row sees
+  for (int64_t k0 = 0; k0 < kend; k0 += 32) {
+    scores_dp<NP>(qbuf, rows, kp + (k0 / 16) * NP * 16 * 32, sbuf);
+    if (softmax_block(sbuf, pbuf, lacc, m, alpha, nq, first_pos, k0, L, vscale))
+      rescale_rows(o, alpha, D);
+    pv_dp<NC>(pbuf, rows, vp + (k0 / 32) * NC * 16 * 32, o);
+  }
+  finish_rows(o, lacc, nq, D, out, out_row_stride);
+}
+
+// The block function for head_dim D (32, 64, 128 or 256), on the tiles or dot products.
+BlockFn extend_block(int64_t D, bool tiles) {
+#ifdef KVRAY_AMX
+  if (tiles)
+    return D == 32    ? attend_block_tiles<2>
+           : D == 64  ? attend_block_tiles<4>
+           : D == 128 ? attend_block_tiles<8>
+                      : attend_block_tiles<16>;
 #endif
+  (void)tiles;
+  return D == 32    ? attend_block_dp<2>
+         : D == 64  ? attend_block_dp<4>
+         : D == 128 ? attend_block_dp<8>
+                    : attend_block_dp<16>;
+}
+#endif  // __AVX512BF16__
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor pt,
@@ -550,17 +700,24 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 // q [T, Hq, D] bf16 (last dim contiguous), k/v [slots, Hkv, D] the layer's pool, out like q.
 // Extend e: queries are rows qstart[e] .. qstart[e] + lq[e] - 1, its context's slots are
 // slots[kstart[e] .. kstart[e + 1]) (the queries' own keys last). Writes those rows of out.
+// On AMX tiles where the CPU and OS give them and `tiles` allows, else on AVX-512 BF16 dot
+// products; false (nothing computed) on a CPU with neither, or another dtype or head size.
 bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                   torch::Tensor kstart, torch::Tensor qstart, torch::Tensor lq, double scale,
-                  torch::Tensor out) {
-#ifdef KVRAY_AMX
+                  torch::Tensor out, bool tiles) {
+#ifdef __AVX512BF16__
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1), E = qstart.size(0);
   if (q.scalar_type() != torch::kBFloat16 || k.scalar_type() != torch::kBFloat16 ||
       (D != 32 && D != 64 && D != 128 && D != 256) || Hq % Hkv || q.stride(2) != 1 ||
-      out.stride(2) != 1 || !k.is_contiguous() || !v.is_contiguous() ||
-      !kvray_amx::tiles_permitted())
+      out.stride(2) != 1 || !k.is_contiguous() || !v.is_contiguous())
     return false;
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && kstart.scalar_type() == torch::kInt64);
+#ifdef KVRAY_AMX
+  tiles = tiles && kvray_amx::tiles_permitted();
+#else
+  tiles = false;
+#endif
+  const BlockFn block = extend_block(D, tiles);
   const int64_t G = Hq / Hkv, row = Hkv * D;
   const auto* kq = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kk = reinterpret_cast<const uint16_t*>(k.data_ptr());
@@ -591,7 +748,9 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   for (int64_t e = 0; e < E; ++e) tstart[e + 1] = tstart[e] + Hq * ((ql[e] + 15) / 16);
   const int64_t qrs = q.stride(0), qhs = q.stride(1), ors = out.stride(0), ohs = out.stride(1);
   at::parallel_for(0, tstart[E], 1, [&](int64_t begin, int64_t end) {
-    configure_full_tiles();
+#ifdef KVRAY_AMX
+    if (tiles) configure_full_tiles();
+#endif
     int64_t e = std::upper_bound(tstart.begin(), tstart.end(), begin) - tstart.begin() - 1;
     for (int64_t t = begin; t < end; ++t) {
       while (t >= tstart[e + 1]) ++e;
@@ -599,23 +758,24 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
       const int64_t hq = local / nqb, qb = local % nqb, h = hq / G;
       const int64_t L = ks[e + 1] - ks[e], q0 = qb * 16, nq = std::min<int64_t>(16, ql[e] - q0);
       const int64_t row0 = qs[e] + q0;
-      const auto block = D == 32    ? attend_block<2>
-                         : D == 64  ? attend_block<4>
-                         : D == 128 ? attend_block<8>
-                                    : attend_block<16>;
       block(kq + row0 * qrs + hq * qhs, qrs, nq, L - ql[e] + q0, L, kp.data() + koff[e * Hkv + h],
             vp.data() + voff[e * Hkv + h], static_cast<float>(scale), ko + row0 * ors + hq * ohs,
             ors);
     }
-    _tile_release();
+#ifdef KVRAY_AMX
+    if (tiles) _tile_release();
+#endif
   });
   return true;
 #else
+  (void)tiles;
   return false;
 #endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_extend", &paged_extend, "prefill attention over a paged KV pool (AMX)");
+  m.def("paged_extend", &paged_extend, "prefill attention over a paged KV pool", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("kstart"), py::arg("qstart"),
+        py::arg("lq"), py::arg("scale"), py::arg("out"), py::arg("tiles") = true);
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool");
 }
