@@ -8,7 +8,7 @@
 - A decode StepPlan's pickled size grows with the batch, never with the context.
 - Killing a worker actor in the middle of 8 generations loses nothing: every request ends
   with the undisturbed greedy tokens, and the engine serves new requests afterwards
-  (compiled graphs and plain actor calls).
+  (compiled graphs, direct step channels and plain actor calls).
 
 After every test, each live engine's page accounting balances (`check_integrity`, and once
 idle and flushed every page is free); after every shutdown, no actor and no placement group
@@ -232,7 +232,7 @@ def tp_engine(request, kvray_ray_cluster, tiny) -> Iterator[tuple[LLM, dict[str,
     """One Ray engine per (checkpoint, TP size); pytest runs every test of one before
     starting the next, so at most one of these is alive at a time. TP 4 runs as GPUs do
     by default (a compiled graph, overlap scheduling: two steps in flight), TP 2 as CPUs
-    do (plain actor calls, one step at a time): both paths keep parity."""
+    do (direct step channels, one step at a time): both paths keep parity."""
     name, tp = request.param
     entry = tiny[name]
     llm, before = start_engine(
@@ -254,6 +254,7 @@ def test_tp_greedy_matches_tp1_and_hf(tp_engine) -> None:
     stats = llm.engine.stats()
     assert stats["steps"] == stats["prefill_tokens"] == stats["prefix_query_tokens"] == 0
     assert stats["max_inflight_steps"] == (2 if tp == 4 else 1)
+    assert stats["step_dispatch"] == ("compiled_graph" if tp == 4 else "step_channel")
     # Each rank's torch threads are pinned to cores of their own, or (none left free:
     # e.g. TP 4 on 2 cores) not at all; never two ranks on one core.
     threads = max(1, (os.cpu_count() or 1) // tp)
@@ -455,15 +456,17 @@ def collect(engine: Any, rids: list[int], out: dict[int, list[int]], done: set[i
             done.add(ev.rid)
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "actor_calls"])
-def test_worker_killed_mid_generation(kvray_ray_cluster, tiny, kill_refs, compiled) -> None:
-    """Compiled as on GPUs (two steps in flight when the worker dies), actor calls as on
-    CPUs (one)."""
+@pytest.mark.parametrize("dispatch", ["compiled_graph", "step_channel", "actor_calls"])
+def test_worker_killed_mid_generation(kvray_ray_cluster, tiny, kill_refs, dispatch) -> None:
+    """Compiled as on GPUs (two steps in flight when the worker dies), step channels as on
+    CPUs (one; the dead rank's socket closes), or actor calls."""
+    compiled = dispatch == "compiled_graph"
     llm, before = start_engine(
         tiny["kv2"]["path"],
         tp_size=2,
         compiled=compiled,
         overlap_schedule=compiled,
+        step_channel=dispatch == "step_channel",
         page_size=PAGE_SIZE,
         num_pages=NUM_PAGES,
         max_prefill_tokens=64,
@@ -474,6 +477,7 @@ def test_worker_killed_mid_generation(kvray_ray_cluster, tiny, kill_refs, compil
         calm = [o.token_ids for o in llm.generate(KILL_PROMPTS, greedy(KILL_NEW))]
         assert_same(calm, kill_refs[: len(KILL_PROMPTS)], "TP 2 before the kill vs in-process TP 1")
         assert engine.stats()["recoveries"] == 0
+        assert engine.stats()["step_dispatch"] == dispatch
 
         rids = [engine.submit(p, greedy(KILL_NEW)) for p in KILL_PROMPTS]
         rids += [engine.submit(KILL_PROMPTS[1], sp) for sp in KILL_CONSTRAINED]
@@ -494,6 +498,7 @@ def test_worker_killed_mid_generation(kvray_ray_cluster, tiny, kill_refs, compil
         assert tokens_at_kill < KILL_NEW * len(rids)
         assert_same([out[r] for r in rids], kill_refs, "after losing a worker")
         assert engine.stats()["recoveries"] >= 1
+        assert engine.stats()["step_dispatch"] == dispatch  # the rebuilt group's too
         assert [tuple(s) for s in engine.kv_buffer_shapes()] == [expected_kv_shape(2, 2, 2, 8)] * 2
 
         # The rebuilt group serves new work.

@@ -581,6 +581,7 @@ def test_every_chart_value_reaches_the_application(helm_render):
         "worker_threads": 3,
         "bind_threads": False,
         "small_batch_kernel": True,
+        "step_channel": False,
         "router": "round-robin",
         "router_load_margin": 9,
         "share_kv": True,

@@ -1,9 +1,9 @@
 """The "cpu" backend: the torch backend with kvray's C++ kernels (`kvray.attention.cpu_paged`),
 which read K/V in place through the page table: decodes always, and prompts (chunks,
 suffixes of cached prefixes) on the AMX tile unit or AVX-512 BF16 where the CPU has them
-(bfloat16 pools, head_dim 32, 64, 128 or 256), else torch's SDPA as in the torch backend. The `auto` choice on CPUs
-where the kernels build (AVX-512), for bfloat16 and float32 pools and head sizes that are a
-multiple of 16."""
+(bfloat16 pools, head_dim 32, 64, 128 or 256), else torch's SDPA as in the torch backend.
+The `auto` choice on CPUs where the kernels build (AVX-512), for bfloat16 and float32 pools
+and head sizes that are a multiple of 16."""
 
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ import os
 import ray
 import torch
 
+from kvray.cluster.step_channel import StepServer
 from kvray.core import StepPlan, StepResult
 from kvray.net import free_port
-from kvray.workers.cpu_bind import ThreadBinding
+from kvray.workers.cpu_bind import ThreadBinding, release_omp_team
 from kvray.workers.dist import default_backend, init_tp_group
 from kvray.workers.worker import ModelWorker, WorkerSpec
 
@@ -33,6 +34,7 @@ class WorkerActor:
             if spec.config.bind_threads:
                 self.binding = ThreadBinding(torch.get_num_threads())
         self.worker: ModelWorker | None = None
+        self._channel: StepServer | None = None
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port for the TP group to meet at."""
@@ -58,13 +60,25 @@ class WorkerActor:
     def export_pages(self, pages: list[int]) -> torch.Tensor:
         """A copy of this rank's K/V of whole pages (it goes to the object store)."""
         assert self.worker is not None
-        return self.worker.kvcache.read_pages(pages)
+        try:
+            return self.worker.kvcache.read_pages(pages)
+        finally:
+            self._release_team()
 
     @ray.method(concurrency_group=TRANSFER_GROUP)
     def import_pages(self, pages: list[int], kv: torch.Tensor) -> None:
         """Write K/V another engine's same rank exported into this rank's pages."""
         assert self.worker is not None
-        self.worker.kvcache.write_pages(pages, kv)
+        try:
+            self.worker.kvcache.write_pages(pages, kv)
+        finally:
+            self._release_team()
+
+    def _release_team(self) -> None:
+        """On CPU, end this (non-stepping) thread's OpenMP team: the stepping thread's team
+        then keeps its threads spinning between regions (cpu_bind.release_omp_team)."""
+        if not self.spec.device.startswith("cuda"):
+            release_omp_team()
 
     def kv_buffer_shape(self) -> tuple[int, ...]:
         assert self.worker is not None
@@ -72,6 +86,16 @@ class WorkerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def open_step_channel(self, node_id: str) -> str | None:
+        """Where the scheduler, on node `node_id`, connects for this rank's steps
+        (`step_channel`); None when it runs on another node (steps then come as actor
+        calls)."""
+        if node_id != ray.get_runtime_context().get_node_id():
+            return None
+        self._channel = StepServer(self.execute)
+        self._release_team()  # this thread loaded the model; the channel's thread steps
+        return self._channel.path
 
     def pinned_cpus(self) -> tuple[int, ...]:
         """The cores this rank's torch threads are pinned to (empty: not pinned)."""

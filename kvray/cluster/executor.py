@@ -36,6 +36,11 @@ class Executor(ABC):
         threads float). Only worker actors pin (`kvray.workers.cpu_bind`)."""
         return [()]
 
+    @property
+    def dispatch(self) -> str:
+        """How a step reaches the workers (shown in the engine's stats)."""
+        return "in_process"
+
     def rebuild(self, timeout_s: float) -> None:
         raise WorkerFailure("this executor cannot rebuild its workers")
 

@@ -261,6 +261,7 @@ class SchedulerActor:
             "recoveries": self.core.recoveries,
             "max_inflight_steps": self.max_inflight,
             "pinned_cpus": self.core.executor.pinned_cpus(),
+            "step_dispatch": self.core.executor.dispatch,
             **vars(self._transfers),
         }
 

@@ -30,6 +30,15 @@ std::vector<int> bind_team(const std::vector<int>& cpus) {
   return status;
 }
 
+// Release the calling thread's OpenMP team (its pooled worker threads end; a later region
+// there starts a new one). libgomp lets a team's idle threads spin before they sleep, but
+// only while it manages no more threads than there are CPUs: one other thread's idle team
+// (say, the one that loaded the model) makes every team sleep at once after each region,
+// and each of a step's hundreds of regions then waits out a wake-up (80 us against 16 us
+// per region here). Returns 0 on success.
+int release_team() { return omp_pause_resource_all(omp_pause_soft); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_team", &bind_team, "pin the caller's OpenMP team, one thread per CPU");
+  m.def("release_team", &release_team, "end the caller's OpenMP team's pooled threads");
 }

@@ -139,6 +139,14 @@ def claim_cpus(n: int, allowed: Iterable[int], lock_dir: Path = LOCK_DIR) -> Cpu
     return claim
 
 
+def release_omp_team() -> bool:
+    """End the calling thread's OpenMP worker threads (see omp_bind.cpp's release_team):
+    call it on a thread that computed before (loading a model) once another thread does
+    the steps. False where the extension is unavailable or the runtime refused."""
+    mod = _EXTENSION.load()
+    return mod is not None and mod.release_team() == 0
+
+
 class ThreadBinding:
     """One worker's pinned OpenMP team: claims `threads` cores once, then `ensure()` pins
     the team of whichever thread runs the steps (called on that thread before each)."""

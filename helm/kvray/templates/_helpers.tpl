@@ -147,6 +147,7 @@ each other and that would otherwise leave placement groups pending forever.
       "worker_threads" $e.workerThreads
       "bind_threads" $e.bindThreads
       "small_batch_kernel" $e.smallBatchKernel
+      "step_channel" $e.stepChannel
       "router" .Values.serve.router
       "router_load_margin" (int .Values.serve.routerLoadMargin)
       "share_kv" .Values.serve.shareKv
