@@ -16,12 +16,15 @@ returns [B, Hq, D].
 `paged_extend(q, k_flat, v_flat, extends, scale, out, tiles=True) -> bool`: each extending
 request's queries (a prompt, a chunk of one, or the part after a cached prefix) over its
 whole context, causally (flash-style: online softmax in float32, bf16 products summed in
-float32), on the AMX tile unit where the CPU and OS give it (and `tiles`), else on AVX-512
-BF16 dot products (AMD Zen 4/5, Intel Cooper Lake and later). Compute bound where decode is
-memory bound: torch's CPU flash SDPA reaches a fraction of the matmul peak on prompt
-lengths of a few hundred tokens, and ran a third of a 4,096-token bf16 prefill step on
-either kind of CPU. bfloat16 pools and head_dim 32, 64, 128 or 256 only; it returns False
-(and computes nothing) where it cannot run: no AVX-512 BF16, another dtype or head size.
+float32), on the AMX tile unit where the CPU and OS give it (and `tiles`), else, only when
+`dot_products` is set, on AVX-512 BF16 dot products (AMD Zen 4/5, Intel Cooper Lake and
+later): that engine matches dense attention in tests but changed the embedded model's bf16
+greedy answer to a chat prompt that SDPA gets right, so the engine does not use it yet.
+Compute bound where decode is memory bound: torch's CPU flash SDPA reaches a fraction of
+the matmul peak on prompt lengths of a few hundred tokens, and ran a third of a
+4,096-token bf16 prefill step on either kind of CPU. bfloat16 pools and head_dim 32, 64,
+128 or 256 only; it returns False (and computes nothing) where it cannot run: no AVX-512
+BF16, another dtype or head size.
 Writes each extend's rows of `out` [T, Hq, D].
 
 `available()` is False where the extension cannot be built (no compiler, no AVX-512):
@@ -82,6 +85,7 @@ def paged_extend(
     scale: float,
     out: torch.Tensor,
     tiles: bool = True,
+    dot_products: bool = False,
 ) -> bool:
     ran: bool = _module().paged_extend(
         q,
@@ -94,5 +98,6 @@ def paged_extend(
         scale,
         out,
         tiles,
+        dot_products,
     )
     return ran

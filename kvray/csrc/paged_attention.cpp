@@ -704,7 +704,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 // products; false (nothing computed) on a CPU with neither, or another dtype or head size.
 bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                   torch::Tensor kstart, torch::Tensor qstart, torch::Tensor lq, double scale,
-                  torch::Tensor out, bool tiles) {
+                  torch::Tensor out, bool tiles, bool dot_products) {
+  (void)dot_products;
 #ifdef __AVX512BF16__
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1), E = qstart.size(0);
   if (q.scalar_type() != torch::kBFloat16 || k.scalar_type() != torch::kBFloat16 ||
@@ -717,6 +718,9 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
 #else
   tiles = false;
 #endif
+  // The dot-product engine is opt-in: in the embedded model it changed a bf16 greedy answer
+  // that SDPA gets right (under investigation), though it matches dense attention in tests.
+  if (!tiles && !dot_products) return false;
   const BlockFn block = extend_block(D, tiles);
   const int64_t G = Hq / Hkv, row = Hkv * D;
   const auto* kq = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -776,6 +780,7 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_extend", &paged_extend, "prefill attention over a paged KV pool", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("kstart"), py::arg("qstart"),
-        py::arg("lq"), py::arg("scale"), py::arg("out"), py::arg("tiles") = true);
+        py::arg("lq"), py::arg("scale"), py::arg("out"), py::arg("tiles") = true,
+        py::arg("dot_products") = false);
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool");
 }
