@@ -18,8 +18,9 @@ request's queries (a prompt, a chunk of one, or the part after a cached prefix) 
 whole context, causally (flash-style: online softmax in float32, bf16 products summed in
 float32), on the AMX tile unit where the CPU and OS give it (and `tiles`), else, only when
 `dot_products` is set, on AVX-512 BF16 dot products (AMD Zen 4/5, Intel Cooper Lake and
-later): that engine matches dense attention in tests but changed the embedded model's bf16
-greedy answer to a chat prompt that SDPA gets right, so the engine does not use it yet.
+later): that engine is as accurate as torch's bf16 SDPA against float32 attention, but it
+tips a near tie (the README's chat request: "The" at logprob -1.74 with SDPA, -1.88 in
+float32; "L'" with it) to another answer, so the engine does not use it by default yet.
 Compute bound where decode is memory bound: torch's CPU flash SDPA reaches a fraction of
 the matmul peak on prompt lengths of a few hundred tokens, and ran a third of a
 4,096-token bf16 prefill step on either kind of CPU. bfloat16 pools and head_dim 32, 64,
