@@ -48,11 +48,11 @@ def cpu_has_avx512() -> bool:
 @cache
 def cpu_identity() -> str:
     """The CPU's model name and instruction-set flags: what `-march=native` compiles for."""
-    fields = {}
-    for line in _cpuinfo().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("vendor_id", "model name", "flags") and key.strip() not in fields:
-            fields[key.strip()] = value.strip()
+    fields: dict[str, str] = {}
+    for line in _cpuinfo().splitlines():  # the first CPU's lines
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key in ("vendor_id", "model name", "flags"):
+            fields.setdefault(key, value)
     return "\n".join(f"{k}={v}" for k, v in sorted(fields.items()))
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvray.cluster.step_channel import ChannelClosed, StepClient, StepServer
+from kvray.cluster.step_channel import ChannelClosed, StepClient, StepFailed, StepServer
 from kvray.workers import cpu_bind
 
 
@@ -36,7 +36,7 @@ def test_answers_come_in_order_from_every_rank() -> None:
         assert client.recv(5.0).tolist() == [0, 2, 4, 6]
         # A step that raised is reported, and the channel serves on.
         client.send(np.arange(0))
-        with pytest.raises(RuntimeError, match="rank 0's step failed: ValueError: an empty plan"):
+        with pytest.raises(StepFailed, match="rank 0's step failed: ValueError: an empty plan"):
             client.recv(5.0)
         client.send(np.arange(2))
         assert client.recv(5.0).tolist() == [0, 2]

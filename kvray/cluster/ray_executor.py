@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvray.cluster.actors import TRANSFER_GROUP, WorkerActor
 from kvray.cluster.executor import Executor, WorkerFailure
-from kvray.cluster.step_channel import StepClient
+from kvray.cluster.step_channel import StepClient, StepFailed
 from kvray.core import StepPlan, StepResult
 from kvray.workers.worker import WorkerSpec
 
@@ -207,7 +207,7 @@ class RayExecutor(Executor):
                 ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
                 ray.get(ready)
             return ray.get(handle[0])
-        except (*_FAILURES, OSError, RuntimeError) as e:
+        except (*_FAILURES, OSError, StepFailed) as e:
             raise WorkerFailure(str(e)) from e
 
     def kv_buffer_shapes(self) -> list[tuple[int, ...]]:

@@ -39,12 +39,16 @@ class ChannelClosed(ConnectionError):
     """The other end went away (its process died or closed the channel)."""
 
 
-def send_frame(sock: socket.socket, obj: Any) -> None:
+class StepFailed(RuntimeError):
+    """A rank's step raised (the worker's error text)."""
+
+
+def _frame(obj: Any) -> bytes:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_LEN.pack(len(data)) + data)
+    return _LEN.pack(len(data)) + data
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -52,7 +56,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise ChannelClosed("the step channel closed")
         got += k
-    return bytes(buf)
+    return buf
 
 
 def recv_frame(sock: socket.socket) -> Any:
@@ -106,7 +110,7 @@ class StepServer:
                 except Exception as e:  # noqa: BLE001 - the scheduler decides what follows
                     answer = (False, f"{type(e).__name__}: {e}")
                 try:
-                    send_frame(conn, answer)
+                    conn.sendall(_frame(answer))
                 except OSError:
                     return
 
@@ -129,15 +133,14 @@ class StepClient:
 
     def send(self, plan: Any) -> None:
         """The plan to every rank (pickled once)."""
-        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-        frame = _LEN.pack(len(data)) + data
+        frame = _frame(plan)
         for s in self.socks:
             s.sendall(frame)
 
     def recv(self, timeout_s: float) -> Any:
         """Every rank's answer to the oldest plan sent; rank 0's result. Raises
         ChannelClosed as soon as any rank's end goes (a surviving rank would otherwise
-        wait in a collective for its dead peer), RuntimeError for a step that raised,
+        wait in a collective for its dead peer), StepFailed for a step that raised,
         TimeoutError past `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         answers: dict[int, tuple[bool, Any]] = {}
@@ -155,7 +158,7 @@ class StepClient:
         for rank in range(len(self.socks)):
             ok, value = answers[rank]
             if not ok:
-                raise RuntimeError(f"rank {rank}'s step failed: {value}")
+                raise StepFailed(f"rank {rank}'s step failed: {value}")
         return answers[0][1]
 
     def close(self) -> None:

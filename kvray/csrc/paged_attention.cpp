@@ -1,7 +1,7 @@
 // Paged attention for CPUs, reading K/V in place through the page table (cpu_paged.py):
 //   paged_decode   one query per request; AVX-512 (bf16 dot products where the CPU has them)
-//   paged_extend   a request's prompt (chunk) over its whole context; AMX tiles, else AVX-512
-//                  BF16 dot products; bf16 only, head_dim 32, 64, 128 or 256; returns false
+//   paged_extend   a request's prompt (chunk) over its whole context; AMX tiles, else (opt-in)
+//                  AVX-512 BF16 dot products; bf16 only, head_dim 32, 64, 128 or 256; returns false
 //                  where it cannot run (the caller then uses torch's SDPA)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -700,12 +700,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 // q [T, Hq, D] bf16 (last dim contiguous), k/v [slots, Hkv, D] the layer's pool, out like q.
 // Extend e: queries are rows qstart[e] .. qstart[e] + lq[e] - 1, its context's slots are
 // slots[kstart[e] .. kstart[e + 1]) (the queries' own keys last). Writes those rows of out.
-// On AMX tiles where the CPU and OS give them and `tiles` allows, else on AVX-512 BF16 dot
-// products; false (nothing computed) on a CPU with neither, or another dtype or head size.
+// On AMX tiles where the CPU and OS give them and `tiles` allows, else, if `dot_products`, on
+// AVX-512 BF16 dot products; false (nothing computed) where neither runs, or for another
+// dtype or head size.
 bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                   torch::Tensor kstart, torch::Tensor qstart, torch::Tensor lq, double scale,
                   torch::Tensor out, bool tiles, bool dot_products) {
-  (void)dot_products;
 #ifdef __AVX512BF16__
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1), E = qstart.size(0);
   if (q.scalar_type() != torch::kBFloat16 || k.scalar_type() != torch::kBFloat16 ||
@@ -774,6 +774,7 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   return true;
 #else
   (void)tiles;
+  (void)dot_products;
   return false;
 #endif
 }
