@@ -55,6 +55,31 @@ _INFLATE = 2.0
 _MAX_STD = 10.0
 
 
+def _dot(a: list[float] | tuple[float, ...], b: list[float] | tuple[float, ...]) -> float:
+    return a[0] * b[0] + a[1] * b[1] + a[2] * b[2]
+
+
+def _matvec(m: list[list[float]], v: tuple[float, ...]) -> list[float]:
+    return [_dot(row, v) for row in m]
+
+
+def _matmul(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
+    return [
+        [a[i][0] * b[0][j] + a[i][1] * b[1][j] + a[i][2] * b[2][j] for j in range(3)]
+        for i in range(3)
+    ]
+
+
+def _bounded(cov: list[list[float]], coef: list[float], prior: list[float]) -> list[list[float]]:
+    """Drift and distrust make no coefficient's standard deviation more than 10 times its
+    value: wide enough to follow a machine 30 times slower within a few dozen steps,
+    bounded so that steps the model cannot explain (it is linear, the machine is not) do
+    not grow the uncertainty without end."""
+    shrink = [min(1.0, _MAX_STD * max(coef[i], prior[i]) / math.sqrt(cov[i][i])) for i in range(3)]
+    out = [[cov[i][j] * shrink[i] * shrink[j] for j in range(3)] for i in range(3)]
+    return [[(out[i][j] + out[j][i]) / 2 for j in range(3)] for i in range(3)]
+
+
 class StepCostModel:
     """step_ms ~= fixed + per_decode * num_decodes + per_prefill_token * prefill_tokens."""
 
@@ -83,37 +108,44 @@ class StepCostModel:
         return decodes, float(self.coef[2]) + math.sqrt(float(self.cov[2, 2]))
 
     def observe(self, num_decodes: int, prefill_tokens: int, seconds: float) -> None:
-        """Learn from one measured step."""
-        x = np.array([1.0, num_decodes, prefill_tokens], dtype=np.float64)
-        self.cov += np.diag((_DRIFT * np.maximum(self.coef, self.prior)) ** 2)
-        pred = float(self.coef @ x)
+        """Learn from one measured step. (It runs after every step, on the path from one
+        step's result to the next plan: 3x3 algebra in plain floats is ~10x faster than
+        numpy's per-call overhead on arrays this small.)"""
+        x = (1.0, float(num_decodes), float(prefill_tokens))
+        coef, prior = self.coef.tolist(), self.prior.tolist()
+        cov = self.cov.tolist()
+        for i in range(3):
+            cov[i][i] += (_DRIFT * max(coef[i], prior[i])) ** 2
+        pred = _dot(coef, x)
         noise = (_REL_NOISE * max(pred, 0.0) + _ABS_NOISE_MS) ** 2
         err = seconds * 1e3 - pred
-        limit = _CLIP_SIGMAS * math.sqrt(float(x @ self.cov @ x) + noise)
+        limit = _CLIP_SIGMAS * math.sqrt(_dot(x, _matvec(cov, x)) + noise)
         if abs(err) > limit:
             # Clip it, and trust the fit less: one freak step moves it only a little, but
             # a run of them (the fit is far off, or the machine changed) soon moves it fast.
             err = math.copysign(limit, err)
-            self.cov *= _INFLATE
-        self._bound_uncertainty()
-        cov_x = self.cov @ x
-        gain = cov_x / (float(x @ cov_x) + noise)
+            cov = [[c * _INFLATE for c in row] for row in cov]
+        cov = _bounded(cov, coef, prior)
+        cov_x = _matvec(cov, x)
+        s = _dot(x, cov_x) + noise
+        gain = [c / s for c in cov_x]
         # Joseph's form of the covariance update: stays symmetric positive definite in
         # floating point although the features span 1 to thousands.
-        keep = np.eye(3) - np.outer(gain, x)
-        self.cov = keep @ self.cov @ keep.T + np.outer(gain, gain) * noise
-        self.coef = self._at_or_above_floor(self.coef + gain * err)
+        keep = [[float(i == j) - gain[i] * x[j] for j in range(3)] for i in range(3)]
+        kc = _matmul(keep, cov)
+        self.cov = np.array(
+            [
+                [
+                    _dot(kc[i], keep[j]) + gain[i] * gain[j] * noise  # (K C K^T)_ij
+                    for j in range(3)
+                ]
+                for i in range(3)
+            ]
+        )
+        self.coef = self._at_or_above_floor(
+            np.array([c + g * err for c, g in zip(coef, gain, strict=True)])
+        )
         self.samples += 1
-
-    def _bound_uncertainty(self) -> None:
-        """Drift and distrust make no coefficient's standard deviation more than 10 times
-        its value: wide enough to follow a machine 30 times slower within a few dozen
-        steps, bounded so that steps the model cannot explain (it is linear, the machine
-        is not) do not grow the uncertainty without end."""
-        cap = _MAX_STD * np.maximum(self.coef, self.prior)
-        shrink = np.minimum(1.0, cap / np.sqrt(np.diag(self.cov)))
-        cov = self.cov * np.outer(shrink, shrink)
-        self.cov = (cov + cov.T) / 2
 
     def _at_or_above_floor(self, coef: np.ndarray) -> np.ndarray:
         """The coefficients nearest `coef`, measured by the fit's own uncertainty, that
