@@ -586,6 +586,7 @@ def test_every_chart_value_reaches_the_application(helm_render):
         "router_load_margin": 9,
         "share_kv": True,
         "share_kv_min_tokens": 64,
+        "request_channel": False,
         "public_paths": ("/metrics",),
         "max_tokens_default": 64,
         "max_tokens_cap": 128,

@@ -24,7 +24,7 @@ import contextlib
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,9 +98,12 @@ class EngineCore:
 
     # -- the loop body ---------------------------------------------------------------------------
 
-    def step(self) -> list[TokenEvent]:
+    def step(self, before_wait: Callable[[], None] | None = None) -> list[TokenEvent]:
         """Plan and submit one step; settle the oldest once the pipeline is full (or
-        nothing new could be planned). Returns the events of the settled step."""
+        nothing new could be planned). Returns the events of the settled step.
+        `before_wait` runs once the new plan is on its way (or none could be made), before
+        this waits for a result: work done there overlaps the workers' compute instead of
+        delaying their next plan."""
         with self._lock:
             plan = self.scheduler.step()
             if plan is not None:
@@ -108,6 +111,9 @@ class EngineCore:
                     self._inflight.append((plan, self.executor.submit(plan)))
                 except WorkerFailure:
                     return self._recover()
+        if before_wait is not None:
+            before_wait()
+        with self._lock:
             if not self._inflight:
                 return []
             if plan is not None and len(self._inflight) < self.max_inflight:

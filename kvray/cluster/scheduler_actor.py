@@ -37,6 +37,7 @@ from kvray.cluster import kv_transfer
 from kvray.cluster.engine_core import EngineCore, EngineFailed
 from kvray.cluster.kv_transfer import TransferStats
 from kvray.cluster.ray_executor import RayExecutor
+from kvray.cluster.request_channel import RequestChannelServer
 from kvray.cluster.spec import EngineSpec
 from kvray.core import FinishReason, SamplingParams, TokenEvent
 from kvray.kvcache.digest import DigestDelta
@@ -67,14 +68,26 @@ class StepThread:
         self._thread.start()
 
     def _run(self) -> None:
+        # A step's events are handed over once the next plan is on its way: the hand-over
+        # (waking the event loop, which then wants the GIL) overlaps the workers' compute
+        # instead of delaying their next plan.
+        ready: list[TokenEvent] = []
+
+        def hand_over() -> None:
+            nonlocal ready
+            if ready:
+                self._loop.call_soon_threadsafe(self._deliver, ready)
+                ready = []
+
         while not self._stop:
             if not self.core.has_work:
+                hand_over()
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            events = self.core.step()
-            if events:
-                self._loop.call_soon_threadsafe(self._deliver, events)
+            events = self.core.step(before_wait=hand_over)  # may hand `ready` over
+            ready += events
+        hand_over()
 
     def wake(self) -> None:
         """New work arrived."""
@@ -127,6 +140,8 @@ class SchedulerActor:
         # the routers waiting in `prefix_digest`.
         self._stepped = asyncio.Event()
         self._transfers = TransferStats()
+        # Front ends on this node submit here directly (`request_channel`), once one asks.
+        self._channel: RequestChannelServer | None = None
 
     @property
     def core(self) -> EngineCore:
@@ -160,6 +175,8 @@ class SchedulerActor:
             if ev.finished and (ended := self._ended.pop(ev.rid, None)) is not None:
                 ended.set()
         for key, batch in batches.items():
+            if self._channel is not None and self._channel.send(key, batch):
+                continue
             if (sub := self._subscribers.get(key)) is not None:
                 sub.put_nowait(batch)
 
@@ -174,13 +191,21 @@ class SchedulerActor:
         """Queue a request and return its id; its events go to `subscriber`'s stream
         (`subscribe`), or, without one, wait for `poll`. RequestRejected propagates to the
         caller."""
-        rid = self.core.new_rid()
-        if subscriber is None:
-            self._queues[rid] = asyncio.Queue()
-        else:
+        if subscriber is not None:
             # Events that come before the subscriber's stream opens wait in its queue.
             self._subscribers.setdefault(subscriber, asyncio.Queue())
-            self._owners[rid] = subscriber
+        return self._queue_request(input_ids, sampling, subscriber)
+
+    def _queue_request(
+        self, input_ids: Sequence[int], sampling: SamplingParams, owner: str | None
+    ) -> int:
+        """Queue a request whose events go to `owner` (a subscriber or request-channel
+        key), or without one to a queue of its own for `poll`."""
+        rid = self.core.new_rid()
+        if owner is None:
+            self._queues[rid] = asyncio.Queue()
+        else:
+            self._owners[rid] = owner
         self._ended[rid] = asyncio.Event()
         try:
             self.core.add_request(input_ids, sampling, rid=rid)
@@ -196,10 +221,38 @@ class SchedulerActor:
 
     async def abort(self, rid: int, reason: str = "abort") -> TokenEvent | None:
         """End a request; its stream gets the finishing event, which is also returned."""
+        return self._abort(rid, reason)
+
+    def _abort(self, rid: int, reason: str) -> TokenEvent | None:
         ev = self.core.abort(rid, FinishReason(reason))
         if ev is not None:
             self._deliver([ev])
         return ev
+
+    async def request_channel(self) -> tuple[str, str]:
+        """(this actor's node id, the Unix socket path of its request channel): a front end
+        on the same node submits there directly (kvray.cluster.request_channel)."""
+        _ = self.core  # raises EngineFailed unless serving
+        if self._channel is None:
+            channel = RequestChannelServer(
+                submit=self._queue_request,
+                abort=self._abort_owned,
+                closed=self._channel_closed,
+            )
+            await channel.start()
+            self._channel = channel
+        return ray.get_runtime_context().get_node_id(), self._channel.path
+
+    def _abort_owned(self, owner: str, rid: int, reason: str) -> None:
+        if self._owners.get(rid) == owner:
+            self._abort(rid, reason)
+
+    def _channel_closed(self, owner: str) -> None:
+        """A front end's channel closed: nobody reads its requests' events any more."""
+        for rid in [r for r, o in self._owners.items() if o == owner]:
+            if self.phase is Phase.SERVING:
+                self._abort(rid, "abort")
+            self._owners.pop(rid, None)
 
     async def finished(self, rid: int) -> None:
         """Return once request `rid` has ended (at once for one unknown or already gone)."""
@@ -262,6 +315,8 @@ class SchedulerActor:
             "max_inflight_steps": self.max_inflight,
             "pinned_cpus": self.core.executor.pinned_cpus(),
             "step_dispatch": self.core.executor.dispatch,
+            # Front ends submitting over the request channel (the rest come through Ray).
+            "request_channels": 0 if self._channel is None else self._channel.connections,
             **vars(self._transfers),
         }
 
@@ -329,6 +384,8 @@ class SchedulerActor:
     async def shutdown(self) -> None:
         """-> STOPPED: stop stepping, then release the workers. Safe to call twice."""
         self.phase = Phase.STOPPED
+        if self._channel is not None:
+            self._channel.close()
         steps, self._steps = self._steps, None
         core, self._core = self._core, None
         if steps is not None:

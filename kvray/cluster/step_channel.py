@@ -43,7 +43,8 @@ class StepFailed(RuntimeError):
     """A rank's step raised (the worker's error text)."""
 
 
-def _frame(obj: Any) -> bytes:
+def frame(obj: Any) -> bytes:
+    """`obj` as one frame: its pickle's length, then the pickle."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return _LEN.pack(len(data)) + data
 
@@ -64,14 +65,26 @@ def recv_frame(sock: socket.socket) -> Any:
     return pickle.loads(_recv_exact(sock, n))
 
 
+def peer_is_this_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of Unix socket `conn` runs as this user."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
+def private_socket_path(prefix: str) -> tuple[str, str]:
+    """(a new directory only this user can enter (mode 0700), a socket path in it)."""
+    directory = tempfile.mkdtemp(prefix=prefix)
+    return directory, os.path.join(directory, "sock")
+
+
 class StepServer:
     """The worker's end: listens at `path` for its scheduler's one connection, then runs
     `handler` on every plan that comes, on a thread of its own, until the channel closes."""
 
     def __init__(self, handler: Callable[[Any], Any], accept_timeout_s: float = 60.0) -> None:
         self._handler = handler
-        self._dir = tempfile.mkdtemp(prefix="kvray-step-")  # mode 0700: this user only
-        self.path = os.path.join(self._dir, "sock")
+        self._dir, self.path = private_socket_path("kvray-step-")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
         self._listener.listen(1)
@@ -83,9 +96,7 @@ class StepServer:
         try:
             while True:
                 conn, _ = self._listener.accept()
-                creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-                _pid, uid, _gid = struct.unpack("3i", creds)
-                if uid == os.getuid():
+                if peer_is_this_user(conn):
                     return conn
                 conn.close()
         except OSError:  # no scheduler came in time
@@ -110,7 +121,7 @@ class StepServer:
                 except Exception as e:  # noqa: BLE001 - the scheduler decides what follows
                     answer = (False, f"{type(e).__name__}: {e}")
                 try:
-                    conn.sendall(_frame(answer))
+                    conn.sendall(frame(answer))
                 except OSError:
                     return
 
@@ -133,9 +144,9 @@ class StepClient:
 
     def send(self, plan: Any) -> None:
         """The plan to every rank (pickled once)."""
-        frame = _frame(plan)
+        data = frame(plan)
         for s in self.socks:
-            s.sendall(frame)
+            s.sendall(data)
 
     def recv(self, timeout_s: float) -> Any:
         """Every rank's answer to the oldest plan sent; rank 0's result. Raises

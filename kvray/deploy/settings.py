@@ -105,6 +105,12 @@ class ServeConfig(EngineConfig):
         description="let special-token text typed in chat messages become special tokens "
         "(as vLLM does)",
     )
+    request_channel: bool = Field(
+        default=True,
+        description="with one engine replica, the ingress submits requests and reads their "
+        "tokens over a Unix socket to the engine's scheduler when both run on one node "
+        "(kvray.cluster.request_channel), not through the engine deployment and Ray calls",
+    )
     health_timeout_s: float = Field(
         default=10.0, gt=0, description="how long /health waits for a real engine step"
     )

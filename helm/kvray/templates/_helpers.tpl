@@ -152,6 +152,7 @@ each other and that would otherwise leave placement groups pending forever.
       "router_load_margin" (int .Values.serve.routerLoadMargin)
       "share_kv" .Values.serve.shareKv
       "share_kv_min_tokens" (int .Values.serve.shareKvMinTokens)
+      "request_channel" .Values.serve.requestChannel
       "seed" (int $e.seed)
       "device" (include "kvray.device" .)
       "special_tokens_in_messages" .Values.serve.specialTokensInMessages
