@@ -16,11 +16,12 @@ returns [B, Hq, D].
 `paged_extend(q, k_flat, v_flat, extends, scale, out, tiles=True) -> bool`: each extending
 request's queries (a prompt, a chunk of one, or the part after a cached prefix) over its
 whole context, causally (flash-style: online softmax in float32, bf16 products summed in
-float32), on the AMX tile unit where the CPU and OS give it (and `tiles`), else, only when
-`dot_products` is set, on AVX-512 BF16 dot products (AMD Zen 4/5, Intel Cooper Lake and
-later): that engine is as accurate as torch's bf16 SDPA against float32 attention, but it
-tips a near tie (the README's chat request: "The" at logprob -1.74 with SDPA, -1.88 in
-float32; "L'" with it) to another answer, so the engine does not use it by default yet.
+float32), on the AMX tile unit where the CPU and OS give it (and `tiles`), else, if
+`dot_products`, on AVX-512 BF16 dot products (AMD Zen 4/5, Intel Cooper Lake and later).
+That engine takes P.V over each probability's bf16 rounding and over what the rounding
+left, so its P is as exact as float32's: with bf16 P alone it tipped a near tie that
+float32 attention does not (the README's chat request: "The" at logprob -1.88 in float32,
+"L'" at -1.90 with it).
 Compute bound where decode is memory bound: torch's CPU flash SDPA reaches a fraction of
 the matmul peak on prompt lengths of a few hundred tokens, and ran a third of a
 4,096-token bf16 prefill step on either kind of CPU. bfloat16 pools and head_dim 32, 64,
@@ -86,7 +87,7 @@ def paged_extend(
     scale: float,
     out: torch.Tensor,
     tiles: bool = True,
-    dot_products: bool = False,
+    dot_products: bool = True,
 ) -> bool:
     ran: bool = _module().paged_extend(
         q,
