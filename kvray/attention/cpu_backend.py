@@ -1,7 +1,7 @@
 """The "cpu" backend: the torch backend with kvray's C++ kernels (`kvray.attention.cpu_paged`),
 which read K/V in place through the page table: decodes always, and prompts (chunks,
-suffixes of cached prefixes) on the AMX tile unit where the CPU has it (bfloat16 pools,
-head_dim 32, 64, 128 or 256), else torch's SDPA as in the torch backend.
+suffixes of cached prefixes) on the AMX tile unit or AVX-512 BF16 where the CPU has them
+(bfloat16 pools, head_dim 32, 64, 128 or 256), else torch's SDPA as in the torch backend.
 The `auto` choice on CPUs where the kernels build (AVX-512), for bfloat16 and float32 pools
 and head sizes that are a multiple of 16."""
 
@@ -38,7 +38,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )
         super().__init__(kvcache, num_q_heads_local, head_dim, scale)
         # Whether the prompt kernel may run here: cleared for good the first time it
-        # declines (no AMX, or the OS refuses the tile registers).
+        # declines (a CPU without AVX-512 BF16).
         self._extend_kernel = kvcache.dtype == torch.bfloat16 and head_dim in (32, 64, 128, 256)
         self._paged_extends: cpu_paged.Extends | None = None
 

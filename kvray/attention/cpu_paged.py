@@ -16,8 +16,8 @@ returns [B, Hq, D].
 `paged_extend(q, k_flat, v_flat, extends, scale, out, tiles=True) -> bool`: each extending
 request's queries (a prompt, a chunk of one, or the part after a cached prefix) over its
 whole context, causally (flash-style: online softmax in float32, bf16 products summed in
-float32), on the AMX tile unit where the CPU and OS give it (and `tiles`), else, if
-`dot_products`, on AVX-512 BF16 dot products (AMD Zen 4/5, Intel Cooper Lake and later).
+float32), on the AMX tile unit where the CPU and OS give it (and `tiles`), else on AVX-512
+BF16 dot products (AMD Zen 4/5, Intel Cooper Lake and later).
 That engine takes P.V over each probability's bf16 rounding and over what the rounding
 left, so its P is as exact as float32's: with bf16 P alone it tipped a near tie that
 float32 attention does not (the README's chat request: "The" at logprob -1.88 in float32,
@@ -87,7 +87,6 @@ def paged_extend(
     scale: float,
     out: torch.Tensor,
     tiles: bool = True,
-    dot_products: bool = True,
 ) -> bool:
     ran: bool = _module().paged_extend(
         q,
@@ -100,6 +99,5 @@ def paged_extend(
         scale,
         out,
         tiles,
-        dot_products,
     )
     return ran

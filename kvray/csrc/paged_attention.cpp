@@ -1,7 +1,7 @@
 // Paged attention for CPUs, reading K/V in place through the page table (cpu_paged.py):
 //   paged_decode   one query per request; AVX-512 (bf16 dot products where the CPU has them)
-//   paged_extend   a request's prompt (chunk) over its whole context; AMX tiles, else (opt-in)
-//                  AVX-512 BF16 dot products; bf16 only, head_dim 32, 64, 128 or 256; returns false
+//   paged_extend   a request's prompt (chunk) over its whole context; AMX tiles, else AVX-512
+//                  BF16 dot products; bf16 only, head_dim 32, 64, 128 or 256; returns false
 //                  where it cannot run (the caller then uses torch's SDPA)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -716,12 +716,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 // q [T, Hq, D] bf16 (last dim contiguous), k/v [slots, Hkv, D] the layer's pool, out like q.
 // Extend e: queries are rows qstart[e] .. qstart[e] + lq[e] - 1, its context's slots are
 // slots[kstart[e] .. kstart[e + 1]) (the queries' own keys last). Writes those rows of out.
-// On AMX tiles where the CPU and OS give them and `tiles` allows, else, if `dot_products`, on
-// AVX-512 BF16 dot products; false (nothing computed) where neither runs, or for another
-// dtype or head size.
+// On AMX tiles where the CPU and OS give them and `tiles` allows, else on AVX-512 BF16 dot
+// products; false (nothing computed) on a CPU with neither, or another dtype or head size.
 bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                   torch::Tensor kstart, torch::Tensor qstart, torch::Tensor lq, double scale,
-                  torch::Tensor out, bool tiles, bool dot_products) {
+                  torch::Tensor out, bool tiles) {
 #ifdef __AVX512BF16__
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1), E = qstart.size(0);
   if (q.scalar_type() != torch::kBFloat16 || k.scalar_type() != torch::kBFloat16 ||
@@ -734,10 +733,6 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
 #else
   tiles = false;
 #endif
-  // The dot-product engine is opt-in: as accurate as torch's bf16 SDPA (same mean error
-  // against float32 attention on the embedded model's real prompts), it still tips the
-  // README's chat request, a near tie at the first token even in float32, to another answer.
-  if (!tiles && !dot_products) return false;
   const BlockFn block = extend_block(D, tiles);
   const int64_t G = Hq / Hkv, row = Hkv * D;
   const auto* kq = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -790,7 +785,6 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   return true;
 #else
   (void)tiles;
-  (void)dot_products;
   return false;
 #endif
 }
@@ -798,7 +792,6 @@ bool paged_extend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_extend", &paged_extend, "prefill attention over a paged KV pool", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("kstart"), py::arg("qstart"),
-        py::arg("lq"), py::arg("scale"), py::arg("out"), py::arg("tiles") = true,
-        py::arg("dot_products") = true);
+        py::arg("lq"), py::arg("scale"), py::arg("out"), py::arg("tiles") = true);
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool");
 }
