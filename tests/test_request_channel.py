@@ -48,10 +48,12 @@ async def _until(cond: object, timeout_s: float = 5.0) -> None:
 def test_requests_and_their_events_round_trip() -> None:
     async def main() -> None:
         sched = FakeScheduler()
-        await sched.server.start()
         # Only this user can reach the socket.
         assert stat.S_IMODE(os.stat(os.path.dirname(sched.server.path)).st_mode) == 0o700
+        # The socket listens from the start: a front end that connects before the server
+        # runs waits in the backlog and is served once it does.
         channel = await RequestChannel.connect(sched.server.path)
+        await sched.server.start()
         sampling = SamplingParams(temperature=0.0, max_tokens=2)
         rid, queue = await channel.submit([1, 2, 3], sampling)
         owner, ids = sched.requests[rid]

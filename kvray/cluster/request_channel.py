@@ -31,21 +31,16 @@ import asyncio
 import contextlib
 import contextvars
 import itertools
-import pickle
 import shutil
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvray.cluster.step_channel import _LEN, frame, peer_is_this_user, private_socket_path
+from kvray.cluster.step_channel import frame, peer_is_this_user, private_socket_path, read_frame
 from kvray.core import SamplingParams, TokenEvent
 
 Submit = Callable[[Sequence[int], SamplingParams, str], int]
 Abort = Callable[[str, int, str], None]
-
-
-async def read_frame(reader: asyncio.StreamReader) -> Any:
-    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    return pickle.loads(await reader.readexactly(n))
 
 
 class ChannelGone(ConnectionError):
@@ -63,10 +58,16 @@ class RequestChannelServer:
         self._writers: dict[str, asyncio.StreamWriter] = {}
         self._keys = itertools.count()
         self._dir, self.path = private_socket_path("kvray-requests-")
+        # Listening from here on: a front end that connects before `start` is served waits
+        # in the backlog, so a second caller may hand out the path while the first starts.
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen()
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        """Serve the connections (on the running event loop)."""
+        self._server = await asyncio.start_unix_server(self._serve, sock=self._listener)
 
     @property
     def connections(self) -> int:
@@ -112,6 +113,8 @@ class RequestChannelServer:
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        else:
+            self._listener.close()
         for writer in self._writers.values():
             writer.close()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -234,13 +234,13 @@ class SchedulerActor:
         on the same node submits there directly (kvray.cluster.request_channel)."""
         _ = self.core  # raises EngineFailed unless serving
         if self._channel is None:
-            channel = RequestChannelServer(
+            # Set before the first await: a concurrent first call must not make a second.
+            self._channel = RequestChannelServer(
                 submit=self._queue_request,
                 abort=self._abort_owned,
                 closed=self._channel_closed,
             )
-            await channel.start()
-            self._channel = channel
+            await self._channel.start()
         return ray.get_runtime_context().get_node_id(), self._channel.path
 
     def _abort_owned(self, owner: str, rid: int, reason: str) -> None:

@@ -19,6 +19,7 @@ Frames: an 8-byte little-endian length, then the pickle. A worker answers every 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pickle
@@ -63,6 +64,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 def recv_frame(sock: socket.socket) -> Any:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     return pickle.loads(_recv_exact(sock, n))
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Any:
+    """`recv_frame` on an asyncio stream (raises IncompleteReadError once it closes)."""
+    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    return pickle.loads(await reader.readexactly(n))
 
 
 def peer_is_this_user(conn: socket.socket) -> bool:
