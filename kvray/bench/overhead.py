@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,16 @@ from kvray.bench.report import machine_info, print_table, write_json
 def _workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(100, vocab - 100, prompt_len).tolist() for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Each path's samples, in seconds (`ttft_s`, `itl_s`), and how many streams had their
+    ITLs left out on both paths (two tokens in one chunk)."""
+
+    local: dict[str, list[float]]
+    served: dict[str, list[float]]
+    merged_streams: int
 
 
 class InProcess:
@@ -67,7 +78,7 @@ class InProcess:
 
 async def _interleaved(
     local: InProcess, url: str, prompts: list[list[int]], output_len: int, api_key: str | None
-) -> dict[str, dict[str, list[float]]]:
+) -> Samples:
     """Each prompt through both paths, one after the other (the first warms both up), so
     that both see the same spells of a noisy machine."""
     import httpx
@@ -75,7 +86,7 @@ async def _interleaved(
     from kvray.bench.serve import _fetch_model, send_one
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    out: dict[str, dict[str, Any]] = {
+    out: dict[str, dict[str, list[float]]] = {
         path: {"ttft_s": [], "itl_s": []} for path in ("local", "served")
     }
     merged = 0
@@ -102,14 +113,11 @@ async def _interleaved(
                 merged += 1
     if merged == len(prompts):
         raise RuntimeError("every stream sent some tokens together: no inter-token latency")
-    out["served"]["merged_streams"] = merged
     local.llm.engine.check_integrity()
-    return out
+    return Samples(out["local"], out["served"], merged)
 
 
-def measure(
-    args: argparse.Namespace, prompts: list[list[int]], output_len: int
-) -> dict[str, dict[str, list[float]]]:
+def measure(args: argparse.Namespace, prompts: list[list[int]], output_len: int) -> Samples:
     """Both paths' samples: the server at `args.url`, or one started here."""
     from kvray.net import free_port
 
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vocab = EngineSpec.resolve(EngineConfig(model=args.model)).vocab_size
     prompts = _workload(args.requests, args.prompt_len, vocab, args.seed)
     samples = measure(args, prompts, args.output_len)
-    local, remote = samples["local"], samples["served"]
+    local, remote = samples.local, samples.served
 
     rows = []
     for name, r in (("in process", local), ("served (HTTP)", remote)):
@@ -164,9 +172,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     added = [a - b for a, b in zip(rows[1][1:], rows[0][1:], strict=True)]
     rows.append(["added by serving", *added])
-    if remote["merged_streams"]:
+    if samples.merged_streams:
         print(
-            f"({remote['merged_streams']} of {args.requests} streams sent two tokens in one "
+            f"({samples.merged_streams} of {args.requests} streams sent two tokens in one "
             "chunk (a character split across tokens): their ITLs are left out on both paths)"
         )
     print_table(
