@@ -29,10 +29,16 @@ pytestmark = pytest.mark.skipif(
         (2, 17, 2, 5, 128, 1),
         (2, 19, 1, 3, 256, 4),
         (3, 2, 3, 1, 32, 1),
+        # the tile engine: several 16-key blocks in place and a copied last one, more query
+        # heads than one tile's 16 columns (per KV head, and across KV heads), page size 32
+        (2, 300, 2, 20, 64, 16),
+        (3, 200, 8, 4, 128, 16),
+        (2, 77, 2, 7, 64, 32),
     ],
 )
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles-where-amx", "dot-products"])
 def test_paged_decode_matches_dense_attention(
-    dtype, tol, batch, max_len, kv_heads, group, head_dim, page_size
+    dtype, tol, batch, max_len, kv_heads, group, head_dim, page_size, tiles
 ):
     torch.manual_seed(batch * 131 + max_len)
     pages_per_req = -(-max_len // page_size)
@@ -46,7 +52,7 @@ def test_paged_decode_matches_dense_attention(
     q = torch.randn(batch, kv_heads * group, head_dim, dtype=dtype)
     scale = head_dim**-0.5
 
-    got = cpu_paged.paged_decode(q, k_pool, v_pool, slots.contiguous(), lens, scale)
+    got = cpu_paged.paged_decode(q, k_pool, v_pool, slots.contiguous(), lens, scale, tiles)
 
     mask = torch.arange(max_len)[None, :] < lens[:, None]
     ref = F.scaled_dot_product_attention(
@@ -61,8 +67,9 @@ def test_paged_decode_matches_dense_attention(
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles-where-amx", "dot-products"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_padding_slots_past_the_length_are_never_read(dtype):
+def test_padding_slots_past_the_length_are_never_read(dtype, tiles):
     # Entries past seq_len point at slots holding NaN: a read would poison the output.
     # Odd lengths too: the bf16 path pairs positions and must not pair in a padding slot.
     k_pool = torch.randn(64, 2, 32, dtype=dtype)
@@ -75,7 +82,7 @@ def test_padding_slots_past_the_length_are_never_read(dtype):
     slots[1] = torch.arange(32)
     slots[1, 31] = 63  # the position right past request 1's odd length: a NaN slot
     q = torch.randn(2, 4, 32, dtype=dtype)
-    out = cpu_paged.paged_decode(q, k_pool, v_pool, slots, lens, 0.2)
+    out = cpu_paged.paged_decode(q, k_pool, v_pool, slots, lens, 0.2, tiles)
     assert torch.isfinite(out).all()
 
 

@@ -6,8 +6,10 @@ table.
 Decode attention is memory bound: each step reads every running request's K/V once. The
 pure-torch path first gathers those rows into a padded copy and then runs SDPA over it,
 moving the data three times. This kernel reads K/V in place, one request per task across
-the cores, with AVX-512 for the dot products, an exact-to-float32-rounding exp, and the
-softmax in float32.
+the cores, an exact-to-float32-rounding exp, and the softmax in float32. In bfloat16 on a
+CPU with AMX (and `tiles`) the products run on the tile unit, 16 keys of the pool at a time
+read in place as tiles; elsewhere on AVX-512 (BF16 dot products where the CPU has them).
+Both round the probabilities to bf16 for P.V.
     q          [B, Hq, D] bfloat16 or float32 (one query token per request)
     k_flat     [slots, Hkv, D] the layer's K pool (same dtype as q); v_flat likewise
     page_table [B, max_len] int64 token slots; seq_lens [B] int64 context lengths
@@ -63,8 +65,11 @@ def paged_decode(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    tiles: bool = True,
 ) -> torch.Tensor:
-    return _module().paged_decode(q.contiguous(), k_flat, v_flat, page_table, seq_lens, scale)
+    return _module().paged_decode(
+        q.contiguous(), k_flat, v_flat, page_table, seq_lens, scale, tiles
+    )
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ inline void configure_full_tiles() {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
+  // GCC 12 does not see LDTILECFG read its operand and may sink the stores that fill it
+  // past the instruction (a garbage palette: #GP); the barrier keeps them before it.
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 

@@ -1,5 +1,7 @@
 // Paged attention for CPUs, reading K/V in place through the page table (cpu_paged.py):
-//   paged_decode   one query per request; AVX-512 (bf16 dot products where the CPU has them)
+//   paged_decode   one query per request; AMX tiles for bf16 where the CPU and OS give them
+//                  (head_dim 32, 64, 128 or 256), else AVX-512 (bf16 dot products where the
+//                  CPU has them)
 //   paged_extend   a request's prompt (chunk) over its whole context; AMX tiles, else AVX-512
 //                  BF16 dot products; bf16 only, head_dim 32, 64, 128 or 256; returns false
 //                  where it cannot run (the caller then uses torch's SDPA)
@@ -563,6 +565,290 @@ void attend_block_tiles(const uint16_t* q, int64_t q_row_stride, int64_t nq, int
 }
 #endif  // KVRAY_AMX
 
+#ifdef KVRAY_AMX
+// ---- decode on AMX tiles ------------------------------------------------------------------
+// A request's query heads go in column groups of up to 16 (whole KV heads where G <= 16).
+// Scores: S^T [16 keys][16 columns] = K x Q^T on the tile unit, with A a 16-key block of
+// the pool read in place (16 rows of 32 dims, the row stride the pool's) and B each KV
+// head's 32-dim chunk of its own query columns (zero in every other column), so one C tile
+// holds every column's scores whatever its KV head. P.V: O [16 columns][32 dims] += P x V,
+// with B the block's V rows read in place: a plain row as a B tile puts dims 2n and 2n+1 in
+// one column's pair, so P goes in twice, on the even and on the odd elements of A (the other
+// zero), into two C tiles that take the even and the odd dims. A holds one KV head's columns
+// of P (zero in the other rows). Softmax in float32 over the whole row of scores (two passes:
+// every score first, then P.V), P rounded to bf16 and its sum taken over the rounded values.
+// Blocks that are not 16 consecutive slots (a page size below 16, the last block) are copied
+// first, with zero rows past the context.
+
+constexpr int64_t kKeyBlock = 16;
+
+// Whether s[0..15] are 16 consecutive slots.
+inline bool consecutive16(const int64_t* s) {
+  const __m512i base = _mm512_set1_epi64(s[0]);
+  const __m512i lo = _mm512_add_epi64(base, _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+  const __m512i hi = _mm512_add_epi64(base, _mm512_set_epi64(15, 14, 13, 12, 11, 10, 9, 8));
+  return (_mm512_cmpeq_epi64_mask(_mm512_loadu_si512(s), lo) &
+          _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(s + 8), hi)) == 0xFF;
+}
+
+// The rows of a 16-key block's slots s[0 .. n): in place where they are 16 consecutive
+// slots, else copied into buf [16][row] with zero rows from n on.
+inline const uint16_t* block_rows(const uint16_t* pool, const int64_t* s, int64_t n, int64_t row,
+                                  uint16_t* buf) {
+  if (n == kKeyBlock && consecutive16(s)) return pool + s[0] * row;
+  for (int64_t i = 0; i < kKeyBlock; ++i) {
+    if (i < n) std::memcpy(buf + i * row, pool + s[i] * row, row * sizeof(uint16_t));
+    else std::memset(buf + i * row, 0, row * sizeof(uint16_t));
+  }
+  return buf;
+}
+
+// The block `kBlocksAhead` ahead into L2. Tile loads that miss stall the tile unit in turn
+// (about 10 GB/s per core here), so the block should be in L2 when they come; prefetching
+// every line of it instead fills the core's line-fill buffers and measured slower than none.
+// Two lines per 4 KB start the L2's own streamer on the block (random 6 KB blocks: 21-23
+// GB/s on two cores, against 17 with no prefetch and 14 with every line prefetched).
+constexpr int64_t kBlocksAhead = 2;
+inline void prefetch_block(const uint16_t* pool, const int64_t* s, int64_t n, int64_t row) {
+  if (n == kKeyBlock && consecutive16(s)) {
+    const char* c = reinterpret_cast<const char*>(pool + s[0] * row);
+    for (int64_t o = 0; o < kKeyBlock * row * 2; o += 4096) {
+      _mm_prefetch(c + o, _MM_HINT_T1);
+      _mm_prefetch(c + o + 64, _MM_HINT_T1);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) prefetch_row(pool + s[i] * row, row);
+  }
+}
+
+// r[0..15] (16 x 16 dwords) transposed in place.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // Each 128-bit lane now holds a 4 x 4 block: rows 4a..4a+3 of lane l are columns
+  // 4l..4l+3 of rows 4a..; gather the lanes.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+struct DecodeScratch {
+  std::vector<uint32_t> qt;    // [kv heads of the group][NP][16 dim pairs][16 columns]
+  std::vector<float> sc;       // [blocks * 16 keys][16 columns]
+  std::vector<uint32_t> pe;    // [blocks][16 columns][16 keys]: bf16 P in each dword's low half
+  std::vector<uint32_t> po;    // the same in the high half
+  std::vector<uint16_t> kbuf;  // [16][row], a copied block
+  std::vector<uint16_t> vbuf;
+};
+
+// Scores: tile 0 S^T (C), 1 a key chunk (A), 2 a query chunk (B), all 16 rows.
+inline void configure_score_tiles() { configure_full_tiles(); }
+
+// P.V for M query columns of one KV head: 0-1 P even / odd (A, M rows), 2-3 two value chunks
+// (B, 16 keys), 4-7 outputs (C, M rows: chunk 0 even, odd dims, chunk 1 even, odd).
+inline void configure_value_tiles(int64_t M) {
+  kvray_amx::TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t == 2 || t == 3 ? 16 : static_cast<uint8_t>(M);
+    cfg.colsb[t] = 64;
+  }
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");  // see configure_full_tiles
+  _tile_loadconfig(&cfg);
+}
+
+// One request's decode attention for query heads c0 .. c0 + nc - 1: whole KV heads where
+// G <= 16 (M = G columns per KV head), else a chunk of one KV head's columns (M = nc).
+template <int NP>  // head_dim = 32 NP
+void decode_group_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                        const int64_t* slots, int64_t L, int64_t Hkv, int64_t G, int64_t c0,
+                        int64_t nc, float scale, uint16_t* out, DecodeScratch& s) {
+  constexpr int64_t D = NP * 32;
+  const int64_t row = Hkv * D, h0 = c0 / G, nh = (c0 + nc - 1) / G - h0 + 1;
+  const int64_t M = nh == 1 ? nc : G;
+  const int64_t nblk = (L + kKeyBlock - 1) / kKeyBlock;
+  s.qt.assign(nh * NP * 256, 0u);
+  s.sc.resize(nblk * 256);
+  s.pe.resize(nblk * 256);
+  s.po.resize(nblk * 256);
+  s.kbuf.resize(kKeyBlock * row);
+  s.vbuf.resize(kKeyBlock * row);
+  for (int64_t c = 0; c < nc; ++c) {  // column c's query, dim pair 16 j + r -> qt[hh][j][r][c]
+    const int64_t hh = (c0 + c) / G - h0;
+    const auto* qd = reinterpret_cast<const uint32_t*>(q + (c0 + c) * D);
+    for (int64_t j = 0; j < NP; ++j)
+      for (int64_t r = 0; r < 16; ++r) s.qt[((hh * NP + j) * 16 + r) * 16 + c] = qd[16 * j + r];
+  }
+  // Scores.
+  configure_score_tiles();
+  for (int64_t b = 0; b < nblk; ++b) {
+    const int64_t t0 = b * kKeyBlock, n = std::min<int64_t>(kKeyBlock, L - t0);
+    if (b + kBlocksAhead < nblk) {
+      const int64_t t2 = t0 + kBlocksAhead * kKeyBlock;
+      prefetch_block(k, slots + t2, std::min<int64_t>(kKeyBlock, L - t2), row);
+    }
+    const uint16_t* kb = block_rows(k, slots + t0, n, row, s.kbuf.data());
+    _tile_zero(0);
+    for (int64_t hh = 0; hh < nh; ++hh)
+      for (int64_t j = 0; j < NP; ++j) {
+        _tile_loadd(1, kb + (h0 + hh) * D + 32 * j, row * 2);
+        _tile_loadd(2, s.qt.data() + (hh * NP + j) * 256, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+    _tile_stored(0, s.sc.data() + t0 * 16, 64);
+  }
+  // Softmax: each column's max over the context, then P (bf16, transposed) and its sum.
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < L; ++t) m = _mm512_max_ps(m, _mm512_loadu_ps(s.sc.data() + t * 16));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblk; ++b) {
+    const int64_t t0 = b * kKeyBlock, n = std::min<int64_t>(kKeyBlock, L - t0);
+    __m512i r[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512i p = _mm512_setzero_si512();
+      if (i < n) {
+        const __m512 x =
+            _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s.sc.data() + (t0 + i) * 16), m), vscale);
+        p = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(exp16(x)));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)));
+      }
+      r[i] = p;
+    }
+    transpose16(r);  // r[c]: column c's 16 keys
+    for (int64_t c = 0; c < 16; ++c) {
+      _mm512_storeu_si512(s.pe.data() + b * 256 + c * 16, r[c]);
+      _mm512_storeu_si512(s.po.data() + b * 256 + c * 16, _mm512_slli_epi32(r[c], 16));
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, sum);
+  // P.V per KV head, two 32-dim chunks at a time.
+  configure_value_tiles(M);
+  alignas(64) float ob[4][256];
+  alignas(64) static const int32_t lo_idx[16] = {0, 16, 1, 17, 2, 18, 3, 19,
+                                                 4, 20, 5, 21, 6, 22, 7, 23};
+  alignas(64) static const int32_t hi_idx[16] = {8,  24, 9,  25, 10, 26, 11, 27,
+                                                 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const int64_t cb = nh == 1 ? 0 : hh * G;  // the head's first column in the group
+    for (int64_t j0 = 0; j0 < NP; j0 += 2) {
+      const bool two = j0 + 1 < NP;
+      _tile_zero(4);
+      _tile_zero(5);
+      if (two) {
+        _tile_zero(6);
+        _tile_zero(7);
+      }
+      for (int64_t b = 0; b < nblk; ++b) {
+        const int64_t t0 = b * kKeyBlock, n = std::min<int64_t>(kKeyBlock, L - t0);
+        if (b + kBlocksAhead < nblk) {
+          const int64_t t2 = t0 + kBlocksAhead * kKeyBlock;
+          prefetch_block(v, slots + t2, std::min<int64_t>(kKeyBlock, L - t2), row);
+        }
+        const uint16_t* vb = block_rows(v, slots + t0, n, row, s.vbuf.data());
+        const uint16_t* vh = vb + (h0 + hh) * D + 32 * j0;
+        _tile_loadd(0, s.pe.data() + b * 256 + cb * 16, 64);
+        _tile_loadd(1, s.po.data() + b * 256 + cb * 16, 64);
+        _tile_loadd(2, vh, row * 2);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 1, 2);
+        if (two) {
+          _tile_loadd(3, vh + 32, row * 2);
+          _tile_dpbf16ps(6, 0, 3);
+          _tile_dpbf16ps(7, 1, 3);
+        }
+      }
+      _tile_stored(4, ob[0], 64);
+      _tile_stored(5, ob[1], 64);
+      if (two) {
+        _tile_stored(6, ob[2], 64);
+        _tile_stored(7, ob[3], 64);
+      }
+      // out[c][32 j + 2 n + e] = ob[2 (j - j0) + e][c - cb][n] / sum[c]
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t c = cb + i;
+        const __m512 inv = _mm512_set1_ps(1.0f / sums[c]);
+        for (int64_t jj = 0; jj < (two ? 2 : 1); ++jj) {
+          const __m512 e = _mm512_load_ps(ob[2 * jj] + i * 16);
+          const __m512 o = _mm512_load_ps(ob[2 * jj + 1] + i * 16);
+          uint16_t* dst = out + (c0 + c) * D + 32 * (j0 + jj);
+          store16(dst, _mm512_mul_ps(_mm512_permutex2var_ps(e, il, o), inv));
+          store16(dst + 16, _mm512_mul_ps(_mm512_permutex2var_ps(e, ih, o), inv));
+        }
+      }
+    }
+  }
+}
+
+template <int NP>
+void decode_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* pt,
+                  const int64_t* lens, uint16_t* out, int64_t B, int64_t Hq, int64_t Hkv,
+                  int64_t Lmax, float scale) {
+  constexpr int64_t D = NP * 32;
+  const int64_t G = Hq / Hkv;
+  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+    DecodeScratch s;
+    for (int64_t b = begin; b < end; ++b) {
+      const uint16_t* qb = q + b * Hq * D;
+      uint16_t* ob = out + b * Hq * D;
+      if (G <= 16) {  // whole KV heads, as many as 16 columns hold
+        const int64_t cols = (16 / G) * G;
+        for (int64_t c0 = 0; c0 < Hq; c0 += cols)
+          decode_group_tiles<NP>(qb, k, v, pt + b * Lmax, lens[b], Hkv, G, c0,
+                                 std::min<int64_t>(cols, Hq - c0), scale, ob, s);
+      } else {  // 16 columns of one KV head at a time
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t g0 = 0; g0 < G; g0 += 16)
+            decode_group_tiles<NP>(qb, k, v, pt + b * Lmax, lens[b], Hkv, G, h * G + g0,
+                                   std::min<int64_t>(16, G - g0), scale, ob, s);
+      }
+    }
+    _tile_release();
+  });
+}
+
+bool try_decode_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* pt,
+                      const int64_t* lens, uint16_t* out, int64_t B, int64_t Hq, int64_t Hkv,
+                      int64_t D, int64_t Lmax, float scale) {
+  if (!kvray_amx::tiles_permitted()) return false;
+  switch (D) {
+    case 32:
+      decode_tiles<1>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      return true;
+    case 64:
+      decode_tiles<2>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      return true;
+    case 128:
+      decode_tiles<4>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      return true;
+    case 256:
+      decode_tiles<8>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      return true;
+    default:
+      return false;
+  }
+}
+#endif  // KVRAY_AMX
+
 // 16 lanes of the bf16 pair at p, as one VDPBF16PS operand.
 inline __m512bh pair16(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
@@ -682,7 +968,7 @@ BlockFn extend_block(int64_t D, bool tiles) {
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor pt,
-                           torch::Tensor lens, double scale) {
+                           torch::Tensor lens, double scale, bool tiles) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [B,Hq,D], k/v [slots,Hkv,D]");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && pt.is_contiguous());
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
@@ -692,6 +978,16 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kBFloat16) {
 #ifdef __AVX512BF16__
+#ifdef KVRAY_AMX
+    if (tiles &&
+        try_decode_tiles(reinterpret_cast<const uint16_t*>(q.data_ptr()),
+                         reinterpret_cast<const uint16_t*>(k.data_ptr()),
+                         reinterpret_cast<const uint16_t*>(v.data_ptr()), pt.data_ptr<int64_t>(),
+                         lens.data_ptr<int64_t>(), reinterpret_cast<uint16_t*>(out.data_ptr()), B,
+                         Hq, Hkv, D, Lmax, static_cast<float>(scale)))
+      return out;
+#endif
+    (void)tiles;
     if (try_decode_bf16(reinterpret_cast<const uint16_t*>(q.data_ptr()),
                         reinterpret_cast<const uint16_t*>(k.data_ptr()),
                         reinterpret_cast<const uint16_t*>(v.data_ptr()), pt.data_ptr<int64_t>(),
@@ -793,5 +1089,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_extend", &paged_extend, "prefill attention over a paged KV pool", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("kstart"), py::arg("qstart"),
         py::arg("lq"), py::arg("scale"), py::arg("out"), py::arg("tiles") = true);
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool");
+  m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("pt"), py::arg("lens"), py::arg("scale"),
+        py::arg("tiles") = true);
 }
