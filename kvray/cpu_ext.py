@@ -62,6 +62,7 @@ KERNEL_MODULES = (
     "kvray.models.packed",
     "kvray.attention.cpu_paged",
     "kvray.workers.cpu_bind",
+    "kvray.kvcache.cpu_store",
 )
 
 

@@ -36,7 +36,13 @@ def test_every_source_edit_is_a_new_build(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(cpu_ext, "cpu_identity", lambda: "vendor_id=Other\nflags=fpu sse2")
     assert CpuExtension(source).build_name() != name
     shipped = sorted(p.name for p in cpu_ext.CSRC.glob("*.cpp"))
-    assert shipped == ["amx_linear.cpp", "fused_ops.cpp", "omp_bind.cpp", "paged_attention.cpp"]
+    assert shipped == [
+        "amx_linear.cpp",
+        "fused_ops.cpp",
+        "kv_store.cpp",
+        "omp_bind.cpp",
+        "paged_attention.cpp",
+    ]
 
 
 @pytest.mark.skipif(not cpu_ext.cpu_has_avx512(), reason="no AVX-512: nothing is ever built")

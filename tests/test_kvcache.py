@@ -59,6 +59,33 @@ def test_mha_pool_layout_views_and_store():
     assert pool.k_cache(0).abs().sum() == 0 and pool.k_cache(2).abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_kernel_writes_each_row_to_its_slot(dtype):
+    from kvray.kvcache import cpu_store
+
+    pool = MHAKVCache(3, 2, 64, num_pages=6, page_size=16, dtype=dtype, device="cpu")
+    # k and v as the model hands them over: views into one wider projection
+    qkv = torch.randn(40, 9 * 64 + 2 * 3 * 64).to(dtype)
+    k = qkv[:, 9 * 64 : 12 * 64].view(40, 3, 64)
+    v = qkv[:, 12 * 64 :].view(40, 3, 64)
+    loc = torch.randperm(96)[:40]  # distinct slots of the 96, scattered
+    ref_k = pool.k_flat(1).clone().index_copy_(0, loc, k)
+    ref_v = pool.v_flat(1).clone().index_copy_(0, loc, v)
+    if not cpu_store.store(pool.k_flat(1), pool.v_flat(1), k, v, loc):
+        pytest.skip("the store kernel cannot be built here")
+    assert torch.equal(pool.k_flat(1), ref_k) and torch.equal(pool.v_flat(1), ref_v)
+    assert pool.k_flat(0).abs().sum() == 0  # other layers untouched
+    # A slot outside the pool is refused before anything is written.
+    before = pool.k_flat(1).clone()
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        pool.store_kv(k[:2], v[:2], torch.tensor([0, 96]), layer_id=1)
+    assert torch.equal(pool.k_flat(1), before)
+    # Inputs it does not serve (another dtype) fall back to index_copy_, converting.
+    assert not cpu_store.store(pool.k_flat(0), pool.v_flat(0), k.double(), v.double(), loc)
+    pool.store_kv(k.double(), v.double(), loc, layer_id=0)
+    assert torch.equal(pool.k_flat(0)[loc], k)
+
+
 def test_pool_replicates_kv_heads_and_adds_dummy_page():
     pool = create_kvcache_pool(
         num_kv_heads=3,

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvray.kvcache import cpu_store
 from kvray.kvcache.base import BaseKVCachePool, div_even
 
 
@@ -41,6 +42,11 @@ class MHAKVCache(BaseKVCachePool):
         self._k_buffer = self._kv_buffer[0]
         self._v_buffer = self._kv_buffer[1]
         self._storage_shape = (num_pages * page_size, local_kv_heads, head_dim)
+        # Each layer's K and V as (slots, heads, head_dim), made once: every layer of every
+        # step reads them.
+        self._k_flat = [self._k_buffer[i].view(self._storage_shape) for i in range(num_layers)]
+        self._v_flat = [self._v_buffer[i].view(self._storage_shape) for i in range(num_layers)]
+        self._cpu = self._kv_buffer.device.type == "cpu"
         self.num_pages = num_pages
         self.page_size = page_size
         self.local_kv_heads = local_kv_heads
@@ -54,18 +60,21 @@ class MHAKVCache(BaseKVCachePool):
 
     def k_flat(self, index: int) -> torch.Tensor:
         """Layer `index`'s K as `(num_pages * page_size, local_kv_heads, head_dim)`."""
-        return self._k_buffer[index].view(self._storage_shape)
+        return self._k_flat[index]
 
     def v_flat(self, index: int) -> torch.Tensor:
-        return self._v_buffer[index].view(self._storage_shape)
+        return self._v_flat[index]
 
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
     ) -> None:
         """Write K/V of the step's tokens (`[T, local_kv_heads, head_dim]`) to slots `out_loc`."""
+        k_pool, v_pool = self._k_flat[layer_id], self._v_flat[layer_id]
+        if self._cpu and cpu_store.store(k_pool, v_pool, k, v, out_loc):
+            return
         idx = out_loc.to(device=self._kv_buffer.device, dtype=torch.long)
-        self.k_flat(layer_id).index_copy_(0, idx, k.to(self.dtype))
-        self.v_flat(layer_id).index_copy_(0, idx, v.to(self.dtype))
+        k_pool.index_copy_(0, idx, k.to(self.dtype))
+        v_pool.index_copy_(0, idx, v.to(self.dtype))
 
     def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
         """A copy of whole pages' K/V, all layers: `(2, num_layers, len(pages), page_size,
