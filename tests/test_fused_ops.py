@@ -327,3 +327,64 @@ def test_host_allocator_keeps_step_memory_mapped() -> None:
     default, tuned = faults("default"), faults("tuned")
     assert host_memory.keep_large_allocations()
     assert tuned * 10 < default, (tuned, default)
+
+
+def test_tcmalloc_preload_env(monkeypatch) -> None:
+    from kvray.workers import host_memory
+
+    lib = "/opt/gperftools/libtcmalloc.so.4"
+    env = {"KVRAY_TCMALLOC": lib}
+    assert host_memory.preload_env(env) == {"LD_PRELOAD": lib}
+    # after whatever is preloaded already; never twice
+    assert host_memory.preload_env({**env, "LD_PRELOAD": "/x/libfoo.so"}) == {
+        "LD_PRELOAD": f"{lib}:/x/libfoo.so"
+    }
+    assert host_memory.preload_env({**env, "LD_PRELOAD": lib}) == {}
+    assert host_memory.preload_env({"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}) == {}
+    assert host_memory.preload_env({"KVRAY_TCMALLOC": "0"}) == {}
+    monkeypatch.setattr(host_memory, "_installed_tcmalloc", lambda: None)
+    assert host_memory.preload_env({}) == {}  # none installed
+
+
+_REEXEC_SCRIPT = """
+import os, sys
+from kvray.workers import host_memory
+host_memory.reexec_with_tcmalloc()
+maps = open("/proc/self/maps").read()
+print(os.environ.get("LD_PRELOAD"), os.environ[host_memory.PRELOAD_BEFORE] == "", sys.argv[1:],
+      os.path.basename(sys.argv[2]) in maps)
+env = host_memory.env_without_added_preload(os.environ)
+print("LD_PRELOAD" in env, host_memory.PRELOAD_BEFORE in env)
+"""
+
+
+def test_reexec_starts_the_same_command_with_the_library_preloaded() -> None:
+    """The CLI's re-execution, with a stand-in library (any shared object this Python does
+    not load by itself): the new process has it mapped, the same arguments, and children
+    can be given the environment without it."""
+    import ctypes.util
+    import os
+    import subprocess
+    import sys
+
+    name = ctypes.util.find_library("resolv")
+    path = next(
+        (
+            os.path.join(d, name)
+            for d in ("/lib/x86_64-linux-gnu", "/usr/lib64", "/lib64", "/usr/lib/aarch64-linux-gnu")
+            if name and os.path.exists(os.path.join(d, name))
+        ),
+        None,
+    )
+    if path is None or not sys.platform.startswith("linux"):
+        pytest.skip("no stand-in shared library found")
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | {"KVRAY_TCMALLOC": path}
+    out = subprocess.run(
+        [sys.executable, "-c", _REEXEC_SCRIPT, "--flag", path],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert out[0] == f"{path} True ['--flag', '{path}'] True"
+    assert out[1] == "False False"

@@ -10,12 +10,17 @@ import subprocess
 import sys
 import time
 
+from kvray.workers import host_memory
+
 
 def launch_kvray(model: str | None, dtype: str, port: int) -> subprocess.Popen[bytes]:
     """`kvray serve` on 127.0.0.1:port in a new session (a fresh local Ray cluster)."""
     cmd = [sys.executable, "-m", "kvray.deploy.cli", "serve", "--port", str(port)]
     cmd += ["--dtype", dtype] + (["--model", model] if model else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    # Its Ray cluster's own processes keep the system allocator; its CPU workers get
+    # tcmalloc from the engine (host_memory).
+    env = host_memory.env_without_added_preload(env)
     return subprocess.Popen(
         cmd,
         env=env,

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvray.workers import host_memory
+
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 VENV_DIR_NAME = ".venv-vllm"
-_TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
-_TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 
 
 class VllmUnavailable(RuntimeError):
@@ -83,8 +83,8 @@ def _clean_env() -> dict[str, str]:
 
 
 def _preloads(python: Path) -> list[str]:
-    libs = [os.path.join(d, n) for d in _TCMALLOC_DIRS for n in _TCMALLOC_NAMES]
-    found = [p for p in libs if os.path.exists(p)][:1]
+    tcmalloc = host_memory.tcmalloc_path()
+    found = [tcmalloc] if tcmalloc else []
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     if iomp.exists():
         found.append(str(iomp))

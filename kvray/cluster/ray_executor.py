@@ -27,6 +27,7 @@ from kvray.cluster.actors import TRANSFER_GROUP, WorkerActor
 from kvray.cluster.executor import Executor, WorkerFailure
 from kvray.cluster.step_channel import StepClient, StepFailed
 from kvray.core import StepPlan, StepResult
+from kvray.workers import host_memory
 from kvray.workers.worker import WorkerSpec
 
 _FAILURES: tuple[type[BaseException], ...] = (
@@ -101,11 +102,14 @@ class RayExecutor(Executor):
         # reserved and not yet in it), so a fetch never waits for a step to finish. (The
         # group is declared under compiled graphs too: the methods name it.)
         remote_cls = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(WorkerActor)
+        # CPU ranks start with tcmalloc preloaded where the node has it (host_memory).
+        env = host_memory.preload_env() if not self._bundle["GPU"] else {}
         self.actors = [
             remote_cls.options(
                 num_cpus=self._bundle["CPU"],
                 num_gpus=self._bundle["GPU"],
                 max_restarts=0,
+                runtime_env={"env_vars": env} if env else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank
                 ),

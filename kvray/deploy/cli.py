@@ -47,7 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
     if direct and args.address is not None:
         print("error: --direct-ingress needs a cluster this command starts", file=sys.stderr)
         return 2
-    from kvray.deploy.app import direct_ingress_env
+    from kvray.deploy.app import direct_ingress_env, own_cluster_env
     from kvray.net import wait_for_port
 
     # Serve's HTTP server binds without SO_REUSEADDR, so a restart within a minute of the
@@ -56,8 +56,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.address is None and (err := wait_for_port(args.host, args.port)) is not None:
         print(f"error: cannot listen on {args.host}:{args.port}: {err}", file=sys.stderr)
         return 2
+    if args.address is None:  # before Ray starts: its processes inherit them
+        for key, value in own_cluster_env().items():
+            os.environ.setdefault(key, value)
     if direct:
-        # Before Ray starts: its processes inherit them.
         os.environ.update(direct_ingress_env(args.port))
 
     import ray
@@ -124,6 +126,10 @@ _BENCHES = (
 )
 
 
+# Benches that run an engine in this process (beside whatever servers they start).
+_IN_PROCESS = ("offline", "overhead")
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -173,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=_bench)
 
     args = ap.parse_args(argv)
+    if argv is None and (args.command == "generate" or getattr(args, "what", "") in _IN_PROCESS):
+        # The engine runs in this process: start it again with tcmalloc (host_memory).
+        from kvray.workers.host_memory import reexec_with_tcmalloc
+
+        reexec_with_tcmalloc()
     return int(args.func(args))
 
 
