@@ -120,6 +120,17 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles, int64_t N,
       _tile_zero(2);
       _tile_zero(3);
       const bf16* w = T + b * KB * 1024;
+      if (b + 1 < b1) {
+        // The next block's weights (K / 32 x 2 KB, contiguous): two lines per 4 KB start the
+        // L2's streamer on them while this block computes; tile loads that miss stall the
+        // tile unit in turn. 6-13% shorter products at 1-32 rows (the embedded model's
+        // layers, 8.0 against 8.5 ms at one row: 27 GB/s of weights).
+        const char* next = reinterpret_cast<const char*>(w + KB * 1024);
+        for (int64_t o = 0; o < KB * 2048; o += 4096) {
+          _mm_prefetch(next + o, _MM_HINT_T1);
+          _mm_prefetch(next + o + 64, _MM_HINT_T1);
+        }
+      }
       for (int64_t k = 0; k < KB; ++k) {
         _tile_loadd(4, a.data() + 32 * k, K * 2);
         _tile_loadd(6, w + k * 1024, 64);
