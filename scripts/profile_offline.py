@@ -2,7 +2,8 @@
 
     python scripts/profile_offline.py [--num-requests 128] [--max-prefill-tokens 4096]
 
-Runs the bench's default workload (same seed, prompts, output lengths, engine settings;
+Runs (with tcmalloc preloaded where the system has it, as the bench does) the bench's
+default workload (same seed, prompts, output lengths, engine settings;
 bfloat16 on all cores) through `kvray.LLM` once untimed at a small size, then once timed,
 wall-clocking every engine step and, inside it, every call of the hot op families:
     linear        the oneDNN products (`kvray.models.packed.packed_linear`)
@@ -10,6 +11,7 @@ wall-clocking every engine step and, inside it, every call of the hot op familie
     attn_prompt   prompt (chunk) attention: the AMX kernel (`cpu_paged.paged_extend`),
                   or torch's SDPA where that kernel declines
     fused         the C++ norm / RoPE / SiLU-mul kernels (`kvray.models.fused`)
+    store_kv      writing each layer's K/V into the pool (`kvray.kvcache.cpu_store`)
 Steps are split into those that compute prompt tokens ("prefill", decodes riding along)
 and decode-only steps, whose times are also binned by batch size. A CPU computes eagerly,
 so wall clocks around calls measure them; wrapping costs a few microseconds per call.
@@ -30,13 +32,16 @@ from kvray import LLM
 from kvray.attention import cpu_paged
 from kvray.bench.offline import make_workload, run_kvray
 from kvray.cluster.engine_core import EngineCore
+from kvray.kvcache import cpu_store
 from kvray.models import fused, packed
+from kvray.workers.host_memory import reexec_with_tcmalloc
 
 FAMILIES = {
     "linear": [(packed, "packed_linear")],
     "attn_decode": [(cpu_paged, "paged_decode")],
     "attn_prompt": [(cpu_paged, "paged_extend"), (F, "scaled_dot_product_attention")],
     "fused": [(fused, n) for n in ("rms_norm", "add_rms_norm", "silu_mul", "rotary")],
+    "store_kv": [(cpu_store, "store")],
 }
 
 _spent: dict[str, float] = collections.defaultdict(float)
@@ -60,6 +65,7 @@ def _instrument() -> None:
 
 
 def main() -> None:
+    reexec_with_tcmalloc()  # as `kvray bench offline` runs
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--input-len", type=int, nargs=2, default=[32, 512])
