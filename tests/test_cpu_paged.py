@@ -49,7 +49,9 @@ def test_paged_decode_matches_dense_attention(
     slots = (pages[:, :, None] * page_size + torch.arange(page_size)).view(batch, -1)[:, :max_len]
     lens = torch.randint(1, max_len + 1, (batch,))
     lens[0] = max_len
-    q = torch.randn(batch, kv_heads * group, head_dim, dtype=dtype)
+    # q as the model hands it over: a view of a wider projection (rows not contiguous)
+    qkv = torch.randn(batch, (kv_heads * group + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : kv_heads * group * head_dim].view(batch, kv_heads * group, head_dim)
     scale = head_dim**-0.5
 
     got = cpu_paged.paged_decode(q, k_pool, v_pool, slots.contiguous(), lens, scale, tiles)

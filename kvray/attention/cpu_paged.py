@@ -10,7 +10,8 @@ the cores, an exact-to-float32-rounding exp, and the softmax in float32. In bflo
 CPU with AMX (and `tiles`) the products run on the tile unit, 16 keys of the pool at a time
 read in place as tiles; elsewhere on AVX-512 (BF16 dot products where the CPU has them).
 Both round the probabilities to bf16 for P.V.
-    q          [B, Hq, D] bfloat16 or float32 (one query token per request)
+    q          [B, Hq, D] bfloat16 or float32 (one query token per request); each
+               request's Hq x D contiguous, its rows may be a view of a wider projection
     k_flat     [slots, Hkv, D] the layer's K pool (same dtype as q); v_flat likewise
     page_table [B, max_len] int64 token slots; seq_lens [B] int64 context lengths
 returns [B, Hq, D].
@@ -67,9 +68,7 @@ def paged_decode(
     scale: float,
     tiles: bool = True,
 ) -> torch.Tensor:
-    return _module().paged_decode(
-        q.contiguous(), k_flat, v_flat, page_table, seq_lens, scale, tiles
-    )
+    return _module().paged_decode(q, k_flat, v_flat, page_table, seq_lens, scale, tiles)
 
 
 @dataclass(frozen=True)

@@ -203,7 +203,7 @@ void values_bf16(const uint32_t* pb, int64_t pairs_stride, const uint16_t* v, co
 template <int NP, int GC>
 void decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* pt,
                  const int64_t* lens, uint16_t* out, int64_t B, int64_t Hq, int64_t Hkv,
-                 int64_t Lmax, float scale) {
+                 int64_t Lmax, int64_t qs, float scale) {
   constexpr int64_t D = NP * 32;
   at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> sc;
@@ -213,7 +213,7 @@ void decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const 
       const int64_t* slots = pt + b * Lmax;
       sc.resize(Hq * L);
       pb.resize(Hq * P);
-      scores_bf16<NP>(q + b * Hq * D, k, slots, L, Hq, Hkv, scale, sc.data());
+      scores_bf16<NP>(q + b * qs, k, slots, L, Hq, Hkv, scale, sc.data());
       softmax_rows(sc.data(), Hq, L);
       for (int64_t hq = 0; hq < Hq; ++hq) {
         const float* s = sc.data() + hq * L;
@@ -236,19 +236,19 @@ void decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const 
 
 bool try_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* pt,
                      const int64_t* lens, uint16_t* out, int64_t B, int64_t Hq, int64_t Hkv,
-                     int64_t D, int64_t Lmax, float scale) {
+                     int64_t D, int64_t Lmax, int64_t qs, float scale) {
   switch (D) {
     case 32:
-      decode_bf16<1, 6>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      decode_bf16<1, 6>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, qs, scale);
       return true;
     case 64:
-      decode_bf16<2, 4>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      decode_bf16<2, 4>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, qs, scale);
       return true;
     case 128:
-      decode_bf16<4, 2>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      decode_bf16<4, 2>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, qs, scale);
       return true;
     case 256:
-      decode_bf16<8, 1>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      decode_bf16<8, 1>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, qs, scale);
       return true;
     default:
       return false;
@@ -258,7 +258,7 @@ bool try_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, co
 
 template <typename T>
 void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t* lens, T* out,
-            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Lmax, float scale) {
+            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Lmax, int64_t qs, float scale) {
   // One task per request: its K/V rows (all local KV heads of a slot, contiguous) are read
   // once, in position order, while they are in cache.
   const int64_t G = Hq / Hkv, nv = D / 16, row = Hkv * D;
@@ -272,9 +272,8 @@ void decode(const T* q, const T* k, const T* v, const int64_t* pt, const int64_t
       sc.resize(Hq * L);
       for (int64_t hq = 0; hq < Hq; ++hq)
         for (int64_t j = 0; j < nv; ++j)
-          _mm512_storeu_ps(
-              &qf[hq * D + 16 * j],
-              _mm512_mul_ps(load16(q + (b * Hq + hq) * D + 16 * j), _mm512_set1_ps(scale)));
+          _mm512_storeu_ps(&qf[hq * D + 16 * j], _mm512_mul_ps(load16(q + b * qs + hq * D + 16 * j),
+                                                               _mm512_set1_ps(scale)));
       // scores[hq][t] = q[hq] . k[t][hq / G]
       for (int64_t t = 0; t < L; ++t) {
         const T* kp = k + slots[t] * row;
@@ -802,13 +801,13 @@ void decode_group_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 template <int NP>
 void decode_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* pt,
                   const int64_t* lens, uint16_t* out, int64_t B, int64_t Hq, int64_t Hkv,
-                  int64_t Lmax, float scale) {
+                  int64_t Lmax, int64_t qs, float scale) {
   constexpr int64_t D = NP * 32;
   const int64_t G = Hq / Hkv;
   at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
     DecodeScratch s;
     for (int64_t b = begin; b < end; ++b) {
-      const uint16_t* qb = q + b * Hq * D;
+      const uint16_t* qb = q + b * qs;
       uint16_t* ob = out + b * Hq * D;
       if (G <= 16) {  // whole KV heads, as many as 16 columns hold
         const int64_t cols = (16 / G) * G;
@@ -828,20 +827,20 @@ void decode_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v, const
 
 bool try_decode_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* pt,
                       const int64_t* lens, uint16_t* out, int64_t B, int64_t Hq, int64_t Hkv,
-                      int64_t D, int64_t Lmax, float scale) {
+                      int64_t D, int64_t Lmax, int64_t qs, float scale) {
   if (!kvray_amx::tiles_permitted()) return false;
   switch (D) {
     case 32:
-      decode_tiles<1>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      decode_tiles<1>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, qs, scale);
       return true;
     case 64:
-      decode_tiles<2>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      decode_tiles<2>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, qs, scale);
       return true;
     case 128:
-      decode_tiles<4>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      decode_tiles<4>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, qs, scale);
       return true;
     case 256:
-      decode_tiles<8>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, scale);
+      decode_tiles<8>(q, k, v, pt, lens, out, B, Hq, Hkv, Lmax, qs, scale);
       return true;
     default:
       return false;
@@ -970,12 +969,15 @@ BlockFn extend_block(int64_t D, bool tiles) {
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor pt,
                            torch::Tensor lens, double scale, bool tiles) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [B,Hq,D], k/v [slots,Hkv,D]");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && pt.is_contiguous());
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && pt.is_contiguous());
+  // Each request's Hq x D queries contiguous; the rows may be a view into a wider projection.
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  const int64_t qs = q.stride(0);
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
   TORCH_CHECK(pt.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), Lmax = pt.size(1);
   TORCH_CHECK(D % 16 == 0 && D <= 256 && Hq % Hkv == 0, "need head_dim % 16 == 0, <= 256");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({B, Hq, D}, q.options());
   if (q.scalar_type() == torch::kBFloat16) {
 #ifdef __AVX512BF16__
 #ifdef KVRAY_AMX
@@ -984,7 +986,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
                          reinterpret_cast<const uint16_t*>(k.data_ptr()),
                          reinterpret_cast<const uint16_t*>(v.data_ptr()), pt.data_ptr<int64_t>(),
                          lens.data_ptr<int64_t>(), reinterpret_cast<uint16_t*>(out.data_ptr()), B,
-                         Hq, Hkv, D, Lmax, static_cast<float>(scale)))
+                         Hq, Hkv, D, Lmax, qs, static_cast<float>(scale)))
       return out;
 #endif
     (void)tiles;
@@ -992,19 +994,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
                         reinterpret_cast<const uint16_t*>(k.data_ptr()),
                         reinterpret_cast<const uint16_t*>(v.data_ptr()), pt.data_ptr<int64_t>(),
                         lens.data_ptr<int64_t>(), reinterpret_cast<uint16_t*>(out.data_ptr()), B,
-                        Hq, Hkv, D, Lmax, static_cast<float>(scale)))
+                        Hq, Hkv, D, Lmax, qs, static_cast<float>(scale)))
       return out;
 #endif
     decode<uint16_t>(reinterpret_cast<const uint16_t*>(q.data_ptr()),
                      reinterpret_cast<const uint16_t*>(k.data_ptr()),
                      reinterpret_cast<const uint16_t*>(v.data_ptr()), pt.data_ptr<int64_t>(),
                      lens.data_ptr<int64_t>(), reinterpret_cast<uint16_t*>(out.data_ptr()), B, Hq,
-                     Hkv, D, Lmax, static_cast<float>(scale));
+                     Hkv, D, Lmax, qs, static_cast<float>(scale));
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
     decode<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                   pt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, Hq,
-                  Hkv, D, Lmax, static_cast<float>(scale));
+                  Hkv, D, Lmax, qs, static_cast<float>(scale));
   }
   return out;
 }
