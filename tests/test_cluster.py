@@ -37,6 +37,7 @@ from kvray.config import SchedulerConfig
 from kvray.core import SamplingParams, StructuredOutputsParams
 from kvray.scheduler import Scheduler
 from kvray.text import chat_ids
+from kvray.workers import cpu_bind, host_memory
 
 VOCAB = 301
 MAX_NEW = 12
@@ -248,6 +249,22 @@ def tp_engine(request, kvray_ray_cluster, tiny) -> Iterator[tuple[LLM, dict[str,
     shutdown_and_check(llm, before)
 
 
+def _worker_actor_environs() -> list[dict[str, str]]:
+    """The environment of every live worker actor process on this machine (/proc)."""
+    envs = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(b"ray::WorkerActor"):
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                pairs = [e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e]
+        except OSError:
+            continue
+        envs.append({k.decode(): v.decode(errors="replace") for k, v in pairs})
+    return envs
+
+
 def test_tp_greedy_matches_tp1_and_hf(tp_engine) -> None:
     llm, entry, tp = tp_engine
     # The engine warmed itself up before serving and kept nothing of it.
@@ -262,6 +279,14 @@ def test_tp_greedy_matches_tp1_and_hf(tp_engine) -> None:
     assert len(pinned) == tp and all(len(cpus) in (0, threads) for cpus in pinned)
     flat = [c for cpus in pinned for c in cpus]
     assert len(flat) == len(set(flat)) and set(flat) <= os.sched_getaffinity(0)
+    # The ranks started with the worker environment: idle OpenMP threads that sleep
+    # sooner, and tcmalloc where this machine has it.
+    envs = _worker_actor_environs()
+    assert len(envs) >= tp
+    for env in envs:
+        assert env.get("GOMP_SPINCOUNT") == str(cpu_bind.WORKER_SPIN_COUNT)
+        tcmalloc = host_memory.tcmalloc_path()
+        assert (tcmalloc is None) or env.get("LD_PRELOAD", "").startswith(tcmalloc)
     assert llm.engine.is_idle_and_empty()
     first = [o.token_ids for o in llm.generate(PROMPTS, greedy(MAX_NEW))]
     assert_same(first, entry["hf"], f"TP {tp} vs Hugging Face")

@@ -167,3 +167,9 @@ def test_torch_computes_on_the_pinned_threads(tmp_path) -> None:
     assert got["cpus"] == [first, second]
     assert got["caller"] == str(first)
     assert got["busy"] == sorted([str(first), str(second)])
+
+
+def test_worker_omp_env_shortens_the_spin_unless_told() -> None:
+    assert cpu_bind.worker_omp_env({}) == {"GOMP_SPINCOUNT": str(cpu_bind.WORKER_SPIN_COUNT)}
+    assert cpu_bind.worker_omp_env({"GOMP_SPINCOUNT": "1"}) == {}  # the user's choice
+    assert cpu_bind.worker_omp_env({"OMP_WAIT_POLICY": "passive"}) == {}

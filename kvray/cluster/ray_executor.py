@@ -28,6 +28,7 @@ from kvray.cluster.executor import Executor, WorkerFailure
 from kvray.cluster.step_channel import StepClient, StepFailed
 from kvray.core import StepPlan, StepResult
 from kvray.workers import host_memory
+from kvray.workers.cpu_bind import worker_omp_env
 from kvray.workers.worker import WorkerSpec
 
 _FAILURES: tuple[type[BaseException], ...] = (
@@ -102,8 +103,9 @@ class RayExecutor(Executor):
         # reserved and not yet in it), so a fetch never waits for a step to finish. (The
         # group is declared under compiled graphs too: the methods name it.)
         remote_cls = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(WorkerActor)
-        # CPU ranks start with tcmalloc preloaded where the node has it (host_memory).
-        env = host_memory.preload_env() if not self._bundle["GPU"] else {}
+        # CPU ranks start with tcmalloc preloaded where the node has it (host_memory) and
+        # idle OpenMP threads that sleep sooner (cpu_bind.worker_omp_env).
+        env = {} if self._bundle["GPU"] else host_memory.preload_env() | worker_omp_env()
         self.actors = [
             remote_cls.options(
                 num_cpus=self._bundle["CPU"],
