@@ -620,6 +620,14 @@ inline void prefetch_block(const uint16_t* pool, const int64_t* s, int64_t n, in
   }
 }
 
+// Block b's rows (block_rows), block b + kBlocksAhead's prefetched first.
+inline const uint16_t* stream_block(const uint16_t* pool, const int64_t* slots, int64_t b,
+                                    int64_t L, int64_t row, uint16_t* buf) {
+  const int64_t ahead = (b + kBlocksAhead) * kKeyBlock, t0 = b * kKeyBlock;
+  if (ahead < L) prefetch_block(pool, slots + ahead, std::min<int64_t>(kKeyBlock, L - ahead), row);
+  return block_rows(pool, slots + t0, std::min<int64_t>(kKeyBlock, L - t0), row, buf);
+}
+
 // r[0..15] (16 x 16 dwords) transposed in place.
 inline void transpose16(__m512i* r) {
   __m512i t[16];
@@ -698,12 +706,8 @@ void decode_group_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v,
   // Scores.
   configure_score_tiles();
   for (int64_t b = 0; b < nblk; ++b) {
-    const int64_t t0 = b * kKeyBlock, n = std::min<int64_t>(kKeyBlock, L - t0);
-    if (b + kBlocksAhead < nblk) {
-      const int64_t t2 = t0 + kBlocksAhead * kKeyBlock;
-      prefetch_block(k, slots + t2, std::min<int64_t>(kKeyBlock, L - t2), row);
-    }
-    const uint16_t* kb = block_rows(k, slots + t0, n, row, s.kbuf.data());
+    const int64_t t0 = b * kKeyBlock;
+    const uint16_t* kb = stream_block(k, slots, b, L, row, s.kbuf.data());
     _tile_zero(0);
     for (int64_t hh = 0; hh < nh; ++hh)
       for (int64_t j = 0; j < NP; ++j) {
@@ -758,12 +762,7 @@ void decode_group_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v,
         _tile_zero(7);
       }
       for (int64_t b = 0; b < nblk; ++b) {
-        const int64_t t0 = b * kKeyBlock, n = std::min<int64_t>(kKeyBlock, L - t0);
-        if (b + kBlocksAhead < nblk) {
-          const int64_t t2 = t0 + kBlocksAhead * kKeyBlock;
-          prefetch_block(v, slots + t2, std::min<int64_t>(kKeyBlock, L - t2), row);
-        }
-        const uint16_t* vb = block_rows(v, slots + t0, n, row, s.vbuf.data());
+        const uint16_t* vb = stream_block(v, slots, b, L, row, s.vbuf.data());
         const uint16_t* vh = vb + (h0 + hh) * D + 32 * j0;
         _tile_loadd(0, s.pe.data() + b * 256 + cb * 16, 64);
         _tile_loadd(1, s.po.data() + b * 256 + cb * 16, 64);
