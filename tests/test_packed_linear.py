@@ -14,37 +14,68 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+SHAPES = [((960, 576), False), ((576, 1536), True), ((5, 7), True), ((100, 96), True)]
+TILED = packed.can_tile(torch.zeros(32, 32, dtype=torch.bfloat16))
+
+
+def rowwise(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` one row at a time: what each row gives on its own."""
+    return torch.cat([F.linear(x[i : i + 1], w, b) for i in range(x.shape[0])])
+
+
 @pytest.mark.parametrize("rows", [1, 3, 17, 32, 33, 128, 300, 2049])
-@pytest.mark.parametrize(
-    "shape,bias",
-    [((960, 576), False), ((576, 1536), True), ((5, 7), True), ((100, 96), True)],
-)
+@pytest.mark.parametrize("shape,bias", SHAPES)
 def test_packed_linear_is_bit_identical_to_f_linear(rows, shape, bias) -> None:
-    """With the weight's AMX tile copy where this CPU has one (up to 32 rows run on it),
-    as without."""
+    """oneDNN's packed product, and the tile kernel up to EXACT_ROWS rows, give F.linear's
+    bits; above that the tile kernel gives each row what it gives alone (close to F.linear,
+    whose last bits depend on the batch there)."""
     torch.manual_seed(rows)
     w = torch.randn(*shape, dtype=torch.bfloat16)
     b = torch.randn(shape[0], dtype=torch.bfloat16) if bias else None
     x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
     tiles = packed.pack_tiles(w) if packed.can_tile(w) else None
+    ref = F.linear(x, w, b)
     for t in {None, tiles}:
         got = packed.packed_linear(x, packed.pack(w), b, t, shape[0])
         assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
-        assert torch.equal(got, F.linear(x, w, b))
-
-
-TILED = packed.can_tile(torch.zeros(32, 32, dtype=torch.bfloat16))
+        if t is not None and packed.EXACT_ROWS < rows <= packed.TILE_ROWS:
+            assert torch.equal(got, rowwise(x, w, b))
+            torch.testing.assert_close(got, ref, rtol=1e-2, atol=0.1)
+        else:
+            assert torch.equal(got, ref)
 
 
 @pytest.mark.skipif(not TILED, reason="no AMX tiles for this process")
-def test_tiles_take_up_to_32_rows_and_onednn_the_rest() -> None:
+@pytest.mark.parametrize("rows", [2, 31, 48, 100, 160])
+@pytest.mark.parametrize("shape,bias", SHAPES[:2])
+def test_tile_rows_do_not_depend_on_the_batch(rows, shape, bias) -> None:
+    """Each row of a tile product (whole 32-row blocks read in place, a padded tail block
+    of 1-31 rows, several 256-row chunks' worth of columns) is the single-row product's,
+    in any batch of up to TILE_ROWS rows: a decode step's request gets the same bits
+    whatever else runs beside it."""
+    torch.manual_seed(rows)
+    w = torch.randn(*shape, dtype=torch.bfloat16)
+    b = torch.randn(shape[0], dtype=torch.bfloat16) if bias else None
+    x = torch.randn(packed.TILE_ROWS, shape[1], dtype=torch.bfloat16)
+    tiles, pack = packed.pack_tiles(w), packed.pack(w)
+    alone = torch.cat([packed.packed_linear(x[i : i + 1], pack, b, tiles, shape[0]) for i in range(rows)])
+    assert torch.equal(alone, rowwise(x[:rows], w, b))  # one row: F.linear's bits
+    for start in (0, packed.TILE_ROWS - rows):  # the same rows among others, at any offset
+        batch = packed.packed_linear(x[: start + rows], pack, b, tiles, shape[0])
+        assert torch.equal(batch[start:], rowwise(x[start : start + rows], w, b))
+
+
+@pytest.mark.skipif(not TILED, reason="no AMX tiles for this process")
+def test_tiles_take_up_to_tile_rows_and_onednn_the_rest() -> None:
     """Given different weights in the two copies, the product shows which one served."""
     torch.manual_seed(0)
     tiled, onednn = (torch.randn(200, 64, dtype=torch.bfloat16) for _ in range(2))
     tiles, pack = packed.pack_tiles(tiled), packed.pack(onednn)
-    for rows, used in ((1, tiled), (32, tiled), (33, onednn)):
+    top = packed.TILE_ROWS
+    for rows, want in ((1, tiled), (32, tiled), (33, tiled), (top, tiled), (top + 1, onednn)):
         x = torch.randn(2, rows, 64, dtype=torch.bfloat16)[0]  # rows of a larger tensor
-        assert torch.equal(packed.packed_linear(x, pack, None, tiles, 200), F.linear(x, used))
+        got = packed.packed_linear(x, pack, None, tiles, 200)
+        assert torch.equal(got, rowwise(x, want) if want is tiled else F.linear(x, want))
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16)  # [..., in]: 15 rows, leading dims kept
     got = packed.packed_linear(x, pack, None, tiles, 200)
     assert got.shape == (3, 5, 200) and torch.equal(got, F.linear(x, tiled))
