@@ -58,7 +58,8 @@ def test_tile_rows_do_not_depend_on_the_batch(rows, shape, bias) -> None:
     b = torch.randn(shape[0], dtype=torch.bfloat16) if bias else None
     x = torch.randn(packed.TILE_ROWS, shape[1], dtype=torch.bfloat16)
     tiles, pack = packed.pack_tiles(w), packed.pack(w)
-    alone = torch.cat([packed.packed_linear(x[i : i + 1], pack, b, tiles, shape[0]) for i in range(rows)])
+    one = [packed.packed_linear(x[i : i + 1], pack, b, tiles, shape[0]) for i in range(rows)]
+    alone = torch.cat(one)
     assert torch.equal(alone, rowwise(x[:rows], w, b))  # one row: F.linear's bits
     for start in (0, packed.TILE_ROWS - rows):  # the same rows among others, at any offset
         batch = packed.packed_linear(x[: start + rows], pack, b, tiles, shape[0])
