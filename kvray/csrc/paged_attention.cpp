@@ -718,31 +718,33 @@ void decode_group_tiles(const uint16_t* q, const uint16_t* k, const uint16_t* v,
     _tile_stored(0, s.sc.data() + t0 * 16, 64);
   }
   // Softmax: each column's max over the context, then P (bf16, transposed) and its sum.
+  // A block's scores are transposed first, so that only the nc columns in use (9 of the
+  // embedded model's 16) take an exp: a vector per column, its 16 keys in the lanes.
   __m512 m = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < L; ++t) m = _mm512_max_ps(m, _mm512_loadu_ps(s.sc.data() + t * 16));
+  alignas(64) float mcol[16];
+  _mm512_store_ps(mcol, m);
   const __m512 vscale = _mm512_set1_ps(scale);
-  __m512 sum = _mm512_setzero_ps();
+  __m512 colsum[16];
+  for (int64_t c = 0; c < nc; ++c) colsum[c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblk; ++b) {
     const int64_t t0 = b * kKeyBlock, n = std::min<int64_t>(kKeyBlock, L - t0);
+    const auto keys = static_cast<__mmask16>((1u << n) - 1);  // lanes of real keys
     __m512i r[16];
-    for (int64_t i = 0; i < 16; ++i) {
-      __m512i p = _mm512_setzero_si512();
-      if (i < n) {
-        const __m512 x =
-            _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s.sc.data() + (t0 + i) * 16), m), vscale);
-        p = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(exp16(x)));
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)));
-      }
-      r[i] = p;
-    }
-    transpose16(r);  // r[c]: column c's 16 keys
-    for (int64_t c = 0; c < 16; ++c) {
-      _mm512_storeu_si512(s.pe.data() + b * 256 + c * 16, r[c]);
-      _mm512_storeu_si512(s.po.data() + b * 256 + c * 16, _mm512_slli_epi32(r[c], 16));
+    for (int64_t i = 0; i < 16; ++i)
+      r[i] = i < n ? _mm512_loadu_si512(s.sc.data() + (t0 + i) * 16) : _mm512_setzero_si512();
+    transpose16(r);  // r[c]: column c's 16 scores
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m512 x =
+          _mm512_mul_ps(_mm512_sub_ps(_mm512_castsi512_ps(r[c]), _mm512_set1_ps(mcol[c])), vscale);
+      const __m512i p = _mm512_maskz_cvtepu16_epi32(keys, (__m256i)_mm512_cvtneps_pbh(exp16(x)));
+      colsum[c] = _mm512_add_ps(colsum[c], _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)));
+      _mm512_storeu_si512(s.pe.data() + b * 256 + c * 16, p);
+      _mm512_storeu_si512(s.po.data() + b * 256 + c * 16, _mm512_slli_epi32(p, 16));
     }
   }
   alignas(64) float sums[16];
-  _mm512_store_ps(sums, sum);
+  for (int64_t c = 0; c < nc; ++c) sums[c] = _mm512_reduce_add_ps(colsum[c]);
   // P.V per KV head, two 32-dim chunks at a time.
   configure_value_tiles(M);
   alignas(64) float ob[4][256];
