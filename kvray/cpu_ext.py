@@ -9,6 +9,11 @@ later processes only load what torch cached under ~/.cache/torch_extensions (or
 TORCH_EXTENSIONS_DIR).
 Where it cannot be built (no AVX-512 where its kernels need it, no compiler or ninja) or
 `KVRAY_CPU_KERNELS=0` is set, `load()` returns None and callers keep to their plain path.
+
+torch serialises builds with a `lock` file in the build directory, and every load (an
+up-to-date one too) waits for it to go away: a process killed while it compiled (Ctrl-C on
+a server's first start) leaves one behind, and every later load would wait forever. A lock
+older than STALE_LOCK_S, far longer than any of these builds takes, is removed first.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -25,6 +31,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+# A build lock this old was left by a build that died (one takes well under a minute here).
+STALE_LOCK_S = 600.0
 
 
 def kernels_enabled() -> bool:
@@ -104,6 +112,7 @@ class CpuExtension:
                 try:
                     from torch.utils.cpp_extension import load
 
+                    self._clear_stale_lock()
                     self._module = load(
                         name=self.build_name(),
                         sources=[str(self.source)],
@@ -117,6 +126,22 @@ class CpuExtension:
 
     def available(self) -> bool:
         return self.load() is not None
+
+    def build_dir(self) -> Path:
+        """Where torch builds and caches this module (TORCH_EXTENSIONS_DIR or its default)."""
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(self.build_name(), verbose=False))
+
+    def _clear_stale_lock(self) -> None:
+        lock = self.build_dir() / "lock"
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:
+            return  # no lock: nothing to clear
+        if age > STALE_LOCK_S:
+            log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+            lock.unlink(missing_ok=True)
 
 
 def _build(module: str) -> tuple[str, bool]:

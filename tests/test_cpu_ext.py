@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -65,3 +67,27 @@ def test_build_all_covers_every_shipped_kernel() -> None:
     assert sorted(built) == sorted(p.name for p in cpu_ext.CSRC.glob("*.cpp"))
     if cpu_ext.kernels_enabled() and cpu_ext.cpu_has_avx512():
         assert all(built.values())
+
+
+@pytest.mark.skipif(not cpu_ext.kernels_enabled(), reason="kernels switched off")
+def test_a_build_lock_left_by_a_dead_build_is_cleared() -> None:
+    """torch waits for its build lock on every load, built or not: one that a killed build
+    left behind must not hang every later process. A fresh lock (a build running now) is
+    left alone. In a child process, so that a regression fails on the timeout instead of
+    hanging the suite."""
+    code = """
+import os, time
+from kvray import cpu_ext
+from kvray.workers import cpu_bind
+ext = cpu_bind._EXTENSION
+lock = ext.build_dir() / "lock"
+lock.parent.mkdir(parents=True, exist_ok=True)
+lock.write_text("")
+ext._clear_stale_lock()
+assert lock.exists(), "a fresh lock was removed"
+old = time.time() - cpu_ext.STALE_LOCK_S - 60
+os.utime(lock, (old, old))
+assert ext.load() is not None
+assert not lock.exists()
+"""
+    subprocess.run([sys.executable, "-c", code], timeout=300, check=True)
