@@ -15,6 +15,11 @@ wall-clocking every engine step and, inside it, every call of the hot op familie
 Steps are split into those that compute prompt tokens ("prefill", decodes riding along)
 and decode-only steps, whose times are also binned by batch size. A CPU computes eagerly,
 so wall clocks around calls measure them; wrapping costs a few microseconds per call.
+
+With --steps it measures instead what `scripts/profile_vllm_steps.py` measures of vLLM, the
+same way, unprofiled (medians of repeats; random token-id prompts, greedy, EOS ignored):
+    prefill_N_ms   one N-token prompt, one output token (the whole request)
+    decode_B_ms    B requests of 320-token prompts: (time for 33 tokens - time for 1) / 32
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
+import random
 import statistics
 import time
 from typing import Any
 
 import torch.nn.functional as F
 
-from kvray import LLM
+from kvray import LLM, SamplingParams
 from kvray.attention import cpu_paged
 from kvray.bench.offline import make_workload, run_kvray
 from kvray.cluster.engine_core import EngineCore
@@ -64,6 +71,34 @@ def _instrument() -> None:
             setattr(module, name, _timed(family, getattr(module, name)))
 
 
+def step_times(llm: LLM, repeats: int) -> dict[str, float]:
+    """kvray's step times, measured as `scripts/profile_vllm_steps.py` measures vLLM's."""
+    rng = random.Random(0)
+    vocab = llm.spec.vocab_size
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+    def generate(batch: list[list[int]], tokens: int) -> float:
+        sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate(batch, [sp] * len(batch))
+        return time.perf_counter() - t
+
+    result: dict[str, float] = {}
+    for length in (256, 2048):
+        times = [generate(prompts(1, length), 1) for _ in range(repeats + 2)]
+        result[f"prefill_{length}_ms"] = statistics.median(times) * 1e3
+    for batch in (1, 4, 64):
+        steps = []
+        for _ in range(repeats):
+            one = generate(prompts(batch, 320), 1)
+            many = generate(prompts(batch, 320), 33)
+            steps.append((many - one) / 32)
+        result[f"decode_{batch}_ms"] = statistics.median(steps) * 1e3
+    return {k: round(v, 1) for k, v in result.items()}
+
+
 def main() -> None:
     reexec_with_tcmalloc()  # as `kvray bench offline` runs
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -72,6 +107,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", action="store_true", help="step times, as profile_vllm_steps.py")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
     llm = LLM(
@@ -86,6 +123,9 @@ def main() -> None:
         args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed
     )
     run_kvray(llm, make_workload(min(args.num_requests, 64), (16, 48), (4, 8), vocab, 1))
+    if args.steps:
+        print(json.dumps(step_times(llm, args.repeats)))
+        return
 
     _instrument()
     steps: list[tuple[str, int, float, dict[str, float]]] = []  # kind, decodes, s, spent
