@@ -142,3 +142,34 @@ def test_loaded_bf16_model_packs_and_gives_the_same_logits(tmp_path, monkeypatch
     dense = load_model(tmp_path, TPGroup(), torch.bfloat16, "cpu")
     assert dense.model.layers[0].self_attn.qkv_proj._packed is None
     assert torch.equal(logits(model), logits(dense))
+
+
+@pytest.mark.skipif(not TILED, reason="no AMX tiles for this process")
+@pytest.mark.usefixtures("engine_invariants")
+def test_bf16_requests_get_the_same_bits_alone_and_in_a_batch(tmp_path) -> None:
+    """End to end in bfloat16: a request's tokens and logprobs are bit for bit the same
+    whether it runs alone or among 47 others, as long as every step's products have at most
+    TILE_ROWS rows (48 three-token prompts: a 144-row prefill, then 48-row decode steps).
+    Every other op of the step works row by row or request by request. The embedded model's
+    layer shapes (oneDNN's products of them change in the last bits with the batch from 33
+    rows on; at the tiny models' widths they do not), two layers."""
+    import random
+
+    from engine_checks import new_llm
+
+    from kvray import SamplingParams
+    from kvray.bench.tiny import write_tiny_checkpoint
+
+    shape = dict(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_hidden_layers=2
+    )
+    write_tiny_checkpoint(tmp_path, "llama", num_key_value_heads=3, **shape)
+    llm = new_llm(tmp_path, dtype="bfloat16", skip_tokenizer_init=True)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(3)] for _ in range(48)]
+    assert 48 * 3 <= packed.TILE_ROWS
+    alone = llm.generate(prompts[:1], [sp])[0]
+    together = llm.generate(prompts, [sp] * len(prompts))[0]
+    assert together.token_ids == alone.token_ids and len(alone.token_ids) == 12
+    assert together.logprobs == alone.logprobs  # floats compared exactly: the same bits
