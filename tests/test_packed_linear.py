@@ -50,9 +50,8 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows, shape, bias) -> None:
 @pytest.mark.parametrize("shape,bias", SHAPES[:2])
 def test_tile_rows_do_not_depend_on_the_batch(rows, shape, bias) -> None:
     """Each row of a tile product (whole 32-row blocks read in place, a padded tail block
-    of 1-31 rows, several 256-row chunks' worth of columns) is the single-row product's,
-    in any batch of up to TILE_ROWS rows: a decode step's request gets the same bits
-    whatever else runs beside it."""
+    of 1-31 rows) is the single-row product's, in any batch of up to TILE_ROWS rows: a
+    decode step's request gets the same bits whatever else runs beside it."""
     torch.manual_seed(rows)
     w = torch.randn(*shape, dtype=torch.bfloat16)
     b = torch.randn(shape[0], dtype=torch.bfloat16) if bias else None

@@ -4,8 +4,8 @@
 //   linear_tiles(x, tiles, n, bias)   x [M, K] -> x W^T (+ bias) [M, N], bf16
 //
 // oneDNN's packed product streams the weights slowly when there are few rows to multiply
-// (0.03-0.37 TFLOP/s at 1-8 rows here); this kernel reads each weight tile once per row
-// chunk and splits the output columns evenly over the threads. Each output is one float32
+// (0.03-0.37 TFLOP/s at 1-8 rows here); this kernel reads each weight tile once per call
+// and splits the output columns evenly over the threads. Each output is one float32
 // accumulator over K in order, on TDPBF16PS, rounded to bf16 once (with the bias added in
 // float32 first), whatever M is: a row's result never depends on the other rows (oneDNN's
 // does above 32 rows), and for up to 32 rows it is bit for bit what oneDNN's product gives,
@@ -29,8 +29,7 @@
 namespace {
 
 using bf16 = uint16_t;
-constexpr int64_t kBlockRows = 32;   // two A tiles of 16 rows
-constexpr int64_t kChunkBlocks = 8;  // row blocks per chunk: 256 rows
+constexpr int64_t kBlockRows = 32;  // two A tiles of 16 rows
 
 #ifdef KVRAY_AMX
 using kvray_amx::configure_full_tiles;
@@ -117,55 +116,51 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles, int64_t N,
     const int nt = omp_get_num_threads(), id = omp_get_thread_num();
     const int64_t per = (NB + nt - 1) / nt;
     const int64_t b0 = std::min(NB, per * id), b1 = std::min(NB, b0 + per);
-    // Rows in chunks that stay in L2 while every column block of this thread passes over
-    // them; a column block's weights (K / 32 x 2 KB) stay in L1 / L2 across the chunk's
-    // row blocks.
-    for (int64_t m0 = 0; m0 < MB; m0 += kChunkBlocks) {
-      const int64_t m1 = std::min(MB, m0 + kChunkBlocks);
-      for (int64_t b = b0; b < b1; ++b) {
-        const bf16* w = T + b * KB * 1024;
-        const int64_t c0 = 32 * b, cols = std::min<int64_t>(32, N - c0);
-        if (b + 1 < b1) {
-          // The next block's weights (K / 32 x 2 KB, contiguous): two lines per 4 KB start
-          // the L2's streamer on them while this block computes; tile loads that miss stall
-          // the tile unit in turn. 6-13% shorter products at 1-32 rows (the embedded
-          // model's layers, 8.0 against 8.5 ms at one row: 27 GB/s of weights).
-          const char* nw = reinterpret_cast<const char*>(w + KB * 1024);
-          for (int64_t o = 0; o < KB * 2048; o += 4096) {
-            _mm_prefetch(nw + o, _MM_HINT_T1);
-            _mm_prefetch(nw + o + 64, _MM_HINT_T1);
-          }
+    // Per column block: its weights (K / 32 x 2 KB) are read once and stay in L1 / L2
+    // while every 32-row block of x passes over them.
+    for (int64_t b = b0; b < b1; ++b) {
+      const bf16* w = T + b * KB * 1024;
+      const int64_t c0 = 32 * b, cols = std::min<int64_t>(32, N - c0);
+      if (b + 1 < b1) {
+        // The next block's weights (K / 32 x 2 KB, contiguous): two lines per 4 KB start
+        // the L2's streamer on them while this block computes; tile loads that miss stall
+        // the tile unit in turn. 6-13% shorter products at 1-32 rows (the embedded
+        // model's layers, 8.0 against 8.5 ms at one row: 27 GB/s of weights).
+        const char* nw = reinterpret_cast<const char*>(w + KB * 1024);
+        for (int64_t o = 0; o < KB * 2048; o += 4096) {
+          _mm_prefetch(nw + o, _MM_HINT_T1);
+          _mm_prefetch(nw + o + 64, _MM_HINT_T1);
         }
-        for (int64_t mb = m0; mb < m1; ++mb) {
-          const int64_t r0 = mb * kBlockRows, rows = std::min<int64_t>(kBlockRows, M - r0);
-          const bf16* a = r0 < full ? X + r0 * xs : pad.data();
-          const int64_t as = r0 < full ? xs : K;
-          const bool two = rows > 16;
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t k = 0; k < KB; ++k) {
-            _tile_loadd(4, a + 32 * k, as * 2);
-            _tile_loadd(6, w + k * 1024, 64);
-            _tile_loadd(7, w + k * 1024 + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-              _tile_loadd(5, a + 16 * as + 32 * k, as * 2);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-            }
-          }
-          _tile_stored(0, sums, 128);
-          _tile_stored(1, sums + 16, 128);
+      }
+      for (int64_t mb = 0; mb < MB; ++mb) {
+        const int64_t r0 = mb * kBlockRows, rows = std::min<int64_t>(kBlockRows, M - r0);
+        const bf16* a = r0 < full ? X + r0 * xs : pad.data();
+        const int64_t as = r0 < full ? xs : K;
+        const bool two = rows > 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < KB; ++k) {
+          _tile_loadd(4, a + 32 * k, as * 2);
+          _tile_loadd(6, w + k * 1024, 64);
+          _tile_loadd(7, w + k * 1024 + 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
           if (two) {
-            _tile_stored(2, sums + 512, 128);
-            _tile_stored(3, sums + 528, 128);
+            _tile_loadd(5, a + 16 * as + 32 * k, as * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
           }
-          for (int64_t r = 0; r < rows; ++r)
-            store_row(sums + 32 * r, B != nullptr ? B + c0 : nullptr, C + (r0 + r) * N + c0, cols);
         }
+        _tile_stored(0, sums, 128);
+        _tile_stored(1, sums + 16, 128);
+        if (two) {
+          _tile_stored(2, sums + 512, 128);
+          _tile_stored(3, sums + 528, 128);
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          store_row(sums + 32 * r, B != nullptr ? B + c0 : nullptr, C + (r0 + r) * N + c0, cols);
       }
     }
     _tile_release();
