@@ -112,9 +112,10 @@ class CpuExtension:
                 try:
                     from torch.utils.cpp_extension import load
 
-                    self._clear_stale_lock()
+                    name = self.build_name()
+                    self._clear_stale_lock(name)
                     self._module = load(
-                        name=self.build_name(),
+                        name=name,
                         sources=[str(self.source)],
                         extra_cflags=self.extra_cflags,
                         extra_ldflags=["-fopenmp"],
@@ -127,14 +128,15 @@ class CpuExtension:
     def available(self) -> bool:
         return self.load() is not None
 
-    def build_dir(self) -> Path:
-        """Where torch builds and caches this module (TORCH_EXTENSIONS_DIR or its default)."""
+    def build_dir(self, name: str | None = None) -> Path:
+        """Where torch builds and caches this module (TORCH_EXTENSIONS_DIR or its default);
+        `name`: its `build_name()`, where the caller has it already."""
         from torch.utils.cpp_extension import _get_build_directory
 
-        return Path(_get_build_directory(self.build_name(), verbose=False))
+        return Path(_get_build_directory(name or self.build_name(), verbose=False))
 
-    def _clear_stale_lock(self) -> None:
-        lock = self.build_dir() / "lock"
+    def _clear_stale_lock(self, name: str | None = None) -> None:
+        lock = self.build_dir(name) / "lock"
         try:
             age = time.time() - lock.stat().st_mtime
         except OSError:
