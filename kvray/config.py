@@ -96,10 +96,11 @@ class EngineConfig(BaseModel):
     )
     small_batch_kernel: bool | None = Field(
         default=None,
-        description="on CPUs with AMX, in bfloat16: multiply up to 160 rows (decode steps) "
-        "with kvray's tile kernel, from a second copy of every linear weight, where oneDNN "
-        "is slow; each row's result is then independent of the batch (and bit-identical to "
-        "F.linear up to 32 rows); None: on where that copy takes at most 4 GiB per rank",
+        description="on CPUs with AMX, in bfloat16: multiply decode steps and short prompts "
+        "(up to 96-512 rows, fewer for larger weights) with kvray's tile kernel, from a second "
+        "copy of every linear weight, where oneDNN is slow; each row's result is then "
+        "independent of the batch (and bit-identical to F.linear up to 32 rows); None: on "
+        "where that copy takes at most 4 GiB per rank",
     )
     bind_threads: bool = Field(
         default=True,

@@ -38,7 +38,7 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows, shape, bias) -> None:
     for t in {None, tiles}:
         got = packed.packed_linear(x, packed.pack(w), b, t, shape[0])
         assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
-        if t is not None and packed.EXACT_ROWS < rows <= packed.TILE_ROWS:
+        if t is not None and packed.EXACT_ROWS < rows <= packed.tile_rows(t):
             assert torch.equal(got, rowwise(x, w, b))
             torch.testing.assert_close(got, ref, rtol=1e-2, atol=0.1)
         else:
@@ -46,39 +46,48 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows, shape, bias) -> None:
 
 
 @pytest.mark.skipif(not TILED, reason="no AMX tiles for this process")
-@pytest.mark.parametrize("rows", [2, 31, 48, 100, 160])
+@pytest.mark.parametrize("rows", [2, 31, 48, 100, 160, 300])
 @pytest.mark.parametrize("shape,bias", SHAPES[:2])
 def test_tile_rows_do_not_depend_on_the_batch(rows, shape, bias) -> None:
     """Each row of a tile product (whole 32-row blocks read in place, a padded tail block
-    of 1-31 rows) is the single-row product's, in any batch of up to TILE_ROWS rows: a
+    of 1-31 rows) is the single-row product's, in any batch of up to `tile_rows` rows: a
     decode step's request gets the same bits whatever else runs beside it."""
     torch.manual_seed(rows)
     w = torch.randn(*shape, dtype=torch.bfloat16)
     b = torch.randn(shape[0], dtype=torch.bfloat16) if bias else None
-    x = torch.randn(packed.TILE_ROWS, shape[1], dtype=torch.bfloat16)
     tiles, pack = packed.pack_tiles(w), packed.pack(w)
+    top = packed.tile_rows(tiles)
+    assert top == 512  # a small weight's
+    x = torch.randn(top, shape[1], dtype=torch.bfloat16)
     one = [packed.packed_linear(x[i : i + 1], pack, b, tiles, shape[0]) for i in range(rows)]
     alone = torch.cat(one)
     assert torch.equal(alone, rowwise(x[:rows], w, b))  # one row: F.linear's bits
-    for start in (0, packed.TILE_ROWS - rows):  # the same rows among others, at any offset
+    for start in (0, top - rows):  # the same rows among others, at any offset
         batch = packed.packed_linear(x[: start + rows], pack, b, tiles, shape[0])
         assert torch.equal(batch[start:], rowwise(x[start : start + rows], w, b))
 
 
 @pytest.mark.skipif(not TILED, reason="no AMX tiles for this process")
-def test_tiles_take_up_to_tile_rows_and_onednn_the_rest() -> None:
-    """Given different weights in the two copies, the product shows which one served."""
+@pytest.mark.parametrize("out,top", [(200, 512), (48 * 1024, 160), (160 * 1024, 96)])
+def test_tiles_take_up_to_tile_rows_and_onednn_the_rest(out, top) -> None:
+    """Given different weights in the two copies, the product shows which one served: up to
+    512 rows on the tiles for a small weight, fewer for larger ones (6 and 20 MiB here)."""
     torch.manual_seed(0)
-    tiled, onednn = (torch.randn(200, 64, dtype=torch.bfloat16) for _ in range(2))
+    tiled, onednn = (torch.randn(out, 64, dtype=torch.bfloat16) for _ in range(2))
     tiles, pack = packed.pack_tiles(tiled), packed.pack(onednn)
-    top = packed.TILE_ROWS
+    assert packed.tile_rows(tiles) == top
     for rows, want in ((1, tiled), (32, tiled), (33, tiled), (top, tiled), (top + 1, onednn)):
         x = torch.randn(2, rows, 64, dtype=torch.bfloat16)[0]  # rows of a larger tensor
-        got = packed.packed_linear(x, pack, None, tiles, 200)
-        assert torch.equal(got, rowwise(x, want) if want is tiled else F.linear(x, want))
+        got = packed.packed_linear(x, pack, None, tiles, out)
+        if want is tiled:  # the tiles' rows, as each gives alone (spot-checked on big ones)
+            pick = torch.tensor(sorted({0, rows // 2, rows - 1}))
+            assert torch.equal(got[pick], rowwise(x[pick], tiled))
+        else:
+            assert torch.equal(got, F.linear(x, onednn))
+    tiles, pack = packed.pack_tiles(tiled[:200]), packed.pack(onednn[:200])
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16)  # [..., in]: 15 rows, leading dims kept
     got = packed.packed_linear(x, pack, None, tiles, 200)
-    assert got.shape == (3, 5, 200) and torch.equal(got, F.linear(x, tiled))
+    assert got.shape == (3, 5, 200) and torch.equal(got, F.linear(x, tiled[:200]))
     assert not packed.can_tile(torch.zeros(8, 48, dtype=torch.bfloat16))  # in % 32 != 0
 
 
@@ -148,7 +157,7 @@ def test_loaded_bf16_model_packs_and_gives_the_same_logits(tmp_path, monkeypatch
 def test_bf16_requests_get_the_same_bits_alone_and_in_a_batch(tmp_path) -> None:
     """End to end in bfloat16: a request's tokens and logprobs are bit for bit the same
     whether it runs alone or among 47 others, as long as every step's products have at most
-    TILE_ROWS rows (48 three-token prompts: a 144-row prefill, then 48-row decode steps).
+    `tile_rows` rows (48 three-token prompts: a 144-row prefill, then 48-row decode steps).
     Every other op of the step works row by row or request by request. The embedded model's
     layer shapes (oneDNN's products of them change in the last bits with the batch from 33
     rows on; at the tiny models' widths they do not), two layers."""
@@ -167,7 +176,12 @@ def test_bf16_requests_get_the_same_bits_alone_and_in_a_batch(tmp_path) -> None:
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 300) for _ in range(3)] for _ in range(48)]
-    assert 48 * 3 <= packed.TILE_ROWS
+    tiles = [
+        m._tiles
+        for m in llm.engine.worker.model.modules()
+        if getattr(m, "_tiles", None) is not None
+    ]
+    assert tiles and 48 * 3 <= min(packed.tile_rows(t) for t in tiles)
     alone = llm.generate(prompts[:1], [sp])[0]
     together = llm.generate(prompts, [sp] * len(prompts))[0]
     assert together.token_ids == alone.token_ids and len(alone.token_ids) == 12

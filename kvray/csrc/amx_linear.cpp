@@ -9,7 +9,7 @@
 // accumulator over K in order, on TDPBF16PS, rounded to bf16 once (with the bias added in
 // float32 first), whatever M is: a row's result never depends on the other rows (oneDNN's
 // does above 32 rows), and for up to 32 rows it is bit for bit what oneDNN's product gives,
-// as tests/test_packed_linear.py checks. Which row counts come here is `packed.TILE_ROWS`.
+// as tests/test_packed_linear.py checks. Which row counts come here is `packed.tile_rows`.
 
 #include <immintrin.h>
 #include <omp.h>

@@ -12,15 +12,22 @@ Decode-sized batches are oneDNN's weak spot: its packed product streams the weig
 fraction of the memory bandwidth at a few rows, and is well short of the tile unit's peak
 at a few dozen. Where the CPU has AMX, a weight may also get a copy in the tile unit's
 layout (`pack_tiles`, kvray/csrc/amx_linear.cpp), and `packed_linear` then multiplies up
-to `TILE_ROWS` rows on it. Measured here on the embedded model's 30 layers with their
-weights coming from memory, per decode step: 15-30% shorter at 1-16 running requests;
-the layers' products 24% shorter at 64 rows and 15% at 128 (the LM head's about 10%
-longer there, which the layers' gain pays for), and oneDNN's blocking wins above about 160.
+to `tile_rows(tiles)` rows on it. How many depends on the weight's size (TILE_ROWS_BY_SIZE),
+measured here against oneDNN with the weights coming from memory: the tile kernel reads each
+weight once per call but passes every 32-row block of x over each 32-column block of it,
+so its lead shrinks with the rows and the output's size.
+- The embedded model's layers (at most 3.4 MiB each): 10-35% shorter at 64-512 rows.
+- Qwen3-0.6B-sized layers (up to 12 MiB): 10-15% shorter at 64-160 rows, level or behind
+  from 192.
+- Llama-1B-sized layers and 49k-151k vocabulary heads (57-300 MiB): level at 64-96 rows,
+  4-70% longer from 128 (the embedded model's LM head at 160 rows: 8.6 against 5.9 ms).
+So a 256-token prompt's layers run on the tiles, a 128-row decode step's LM head on oneDNN.
 That kernel sums each output in one float32 accumulator over the inputs in order, so a
-row's result is the same whatever rows it is multiplied with: a decode step of up to
-TILE_ROWS requests computes each request's products exactly as if it ran alone (oneDNN's
-change in their last bits from 33 rows on). Up to 32 rows that is also bit for bit what
-`F.linear` gives. It costs a second copy of the weight, so it is a choice
+row's result is the same whatever rows it is multiplied with: a step computes each row's
+products exactly as if it ran alone as long as it has at most `tile_rows` rows for every
+weight (oneDNN's change in their last bits from 33 rows on): for the embedded model, a
+decode step of up to 96 requests. Up to 32 rows that is also bit for bit what `F.linear`
+gives. It costs a second copy of the weight, so it is a choice
 (`EngineConfig.small_batch_kernel`).
 """
 
@@ -31,8 +38,13 @@ import torch
 from kvray.cpu_ext import CSRC, CpuExtension, kernels_enabled
 
 _EXTENSION = CpuExtension(CSRC / "amx_linear.cpp")
-# The most rows the tile kernel takes; more go to oneDNN.
-TILE_ROWS = 160
+# The most rows the tile kernel takes for a weight under so many bytes (its tile copy's,
+# per rank); more rows go to oneDNN. See above for the measurements.
+TILE_ROWS_BY_SIZE: tuple[tuple[float, int], ...] = (
+    (4 << 20, 512),
+    (16 << 20, 160),
+    (float("inf"), 96),
+)
 # Up to this many rows the tile kernel's result is bit-identical to `F.linear`'s.
 EXACT_ROWS = 32
 
@@ -73,6 +85,12 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     return _EXTENSION.load().pack_tiles(weight.detach())
 
 
+def tile_rows(tiles: torch.Tensor) -> int:
+    """The most rows `packed_linear` multiplies on these tiles (a weight's `pack_tiles`)."""
+    size = tiles.numel() * tiles.element_size()
+    return next(rows for limit, rows in TILE_ROWS_BY_SIZE if size < limit)
+
+
 def packed_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -81,9 +99,10 @@ def packed_linear(
     out_features: int = 0,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a weight packed by `pack`; x is [..., in]. With the
-    weight's `tiles` (and its `out_features`), products of up to TILE_ROWS rows run on them."""
+    weight's `tiles` (and its `out_features`), products of up to `tile_rows(tiles)` rows run
+    on them."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if tiles is not None and rows <= TILE_ROWS:
+    if tiles is not None and rows <= tile_rows(tiles):
         flat = x.reshape(rows, x.shape[-1])
         out = _EXTENSION.load().linear_tiles(flat, tiles, out_features, bias)
         return out.reshape(*x.shape[:-1], out_features)
