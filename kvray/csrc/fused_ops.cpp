@@ -290,6 +290,27 @@ inline __m512 sleef_expf16_u10(__m512 d) {
 // rest of a row to its scalar loop, which calls the C library's expf instead of SLEEF's; this
 // kernel splits each row the same way. (For bfloat16 the two give the same result for every
 // input; for float32 they do not, and ATen can also split a row between threads.)
+inline __m512 silu16(__m512 x) {  // the vector loop's silu, before its rounding
+  const __m512 e = sleef_expf16_u10(_mm512_xor_ps(x, _mm512_set1_ps(-0.0f)));
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// A bfloat16 gate has 65536 values: the vector loop's rounded silu of each, computed once
+// with that loop's own operations (so a lookup gives its bits), 256 KiB that stay in L2. A
+// 16-lane gather takes about a third of the time of the exp and the division it replaces.
+const float* bf16_silu_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    alignas(64) bf16 g[16];
+    for (int64_t i = 0; i < 65536; i += 16) {
+      for (int64_t l = 0; l < 16; ++l) g[l] = static_cast<bf16>(i + l);
+      _mm512_storeu_ps(t.data() + i, round_to<bf16>(silu16(load16(g))));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
 template <typename T>
 void silu_mul_impl(const torch::Tensor& gu, torch::Tensor& out) {
   const int64_t rows = gu.size(0), I = out.size(1), sg = gu.stride(0), so = out.stride(0);
@@ -297,17 +318,21 @@ void silu_mul_impl(const torch::Tensor& gu, torch::Tensor& out) {
   T* op = reinterpret_cast<T*>(out.data_ptr());
   constexpr int64_t kStep = std::is_same_v<T, bf16> ? 64 : 32;
   const int64_t nvec = I / kStep * kStep;
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 sign = _mm512_set1_ps(-0.0f);
+  [[maybe_unused]] const float* table = nullptr;
+  if constexpr (std::is_same_v<T, bf16>) table = bf16_silu_table();
   at::parallel_for(0, rows, grain(3 * I), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gp + r * sg;
       const T* u = g + I;
       T* o = op + r * so;
       for (int64_t j = 0; j < nvec; j += 16) {
-        const __m512 x = load16(g + j);
-        const __m512 e = sleef_expf16_u10(_mm512_xor_ps(x, sign));
-        const __m512 silu = round_to<T>(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+        __m512 silu;
+        if constexpr (std::is_same_v<T, bf16>) {
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j));
+          silu = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(bits), table, 4);
+        } else {
+          silu = silu16(load16(g + j));
+        }
         store16(o + j, _mm512_mul_ps(silu, load16(u + j)));
       }
       for (int64_t j = nvec; j < I; ++j) {
