@@ -186,3 +186,32 @@ def test_bf16_requests_get_the_same_bits_alone_and_in_a_batch(tmp_path) -> None:
     together = llm.generate(prompts, [sp] * len(prompts))[0]
     assert together.token_ids == alone.token_ids and len(alone.token_ids) == 12
     assert together.logprobs == alone.logprobs  # floats compared exactly: the same bits
+
+
+@pytest.mark.skipif(not TILED, reason="no AMX tiles for this process")
+@pytest.mark.parametrize("rows", [1, 17, 32, 33, 100, 300, 512])
+def test_silu_mul_tiles_gives_the_two_steps_bits(rows) -> None:
+    """The fused [gate | up] product and silu(gate) * up give what the product on the tiles
+    and then `fused.silu_mul` give, bit for bit, gates large and small included; rows the
+    tiles would not take, or an intermediate size off the 32-column blocks, are declined."""
+    from kvray.models import fused
+
+    torch.manual_seed(rows)
+    inter, hidden = 1536, 576
+    w = torch.randn(2 * inter, hidden, dtype=torch.bfloat16) * 0.05
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    x[::3] *= 40  # gates far out on both sides, where silu saturates or underflows
+    tiles, pack = packed.pack_tiles(w), packed.pack(w)
+    got = packed.silu_mul_tiles(x, tiles, inter)
+    two_steps = fused.silu_mul(packed.packed_linear(x, pack, None, tiles, 2 * inter))
+    assert got is not None and got.shape == (rows, inter)
+    assert torch.equal(got, two_steps)
+    if rows <= packed.EXACT_ROWS:  # and F.linear's, where the tiles give its bits
+        assert torch.equal(got, fused.silu_mul_reference(F.linear(x, w)))
+    top = packed.tile_rows(tiles)
+    assert (
+        packed.silu_mul_tiles(torch.zeros(top + 1, hidden, dtype=torch.bfloat16), tiles, inter)
+        is None
+    )
+    odd = packed.pack_tiles(torch.randn(2 * 48, hidden, dtype=torch.bfloat16))
+    assert packed.silu_mul_tiles(x, odd, 48) is None

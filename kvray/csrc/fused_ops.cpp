@@ -516,6 +516,11 @@ std::optional<torch::Tensor> silu_mul(torch::Tensor gu) {
   return out;
 }
 
+// The bf16 silu table (bf16_silu_table), for kernels elsewhere that fuse silu_mul.
+torch::Tensor silu_table() {
+  return torch::from_blob(const_cast<float*>(bf16_silu_table()), {65536}, torch::kFloat).clone();
+}
+
 std::optional<torch::Tensor> rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   if (!servable({&x, &cos, &sin}) || x.dim() != 3 || x.size(2) % 2 != 0 ||
       at::has_internal_overlap(x) == at::MemOverlap::Yes)  // e.g. an expanded x
@@ -555,5 +560,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_mul", &silu_mul);
+  m.def("silu_table", &silu_table);
   m.def("rotary_", &rotary_);
 }

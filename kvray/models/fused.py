@@ -31,6 +31,7 @@ is not contiguous, and anything autograd must see; so GPU code paths are unchang
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -106,6 +107,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         if out is not None:
             return out
     return silu_mul_reference(gate_up)
+
+
+@functools.cache
+def silu_table() -> torch.Tensor | None:
+    """float32 [65536]: `silu_mul`'s rounded silu of every bfloat16 gate, by its bits (for a
+    kernel that fuses silu_mul into the product before it); None without the kernels."""
+    mod = _mod()
+    return None if mod is None else mod.silu_table()
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,15 @@ class ColumnParallelLinear(PackableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`fused.silu_mul(self(x))` for a [gate | up] layer (two parts of one size): the
+        same bits, in one pass on the tile kernel where it serves x."""
+        if self._tiles is not None and self.bias is None and self.num_parts == 2:
+            out = packed.silu_mul_tiles(x, self._tiles, self.out_sizes[0])
+            if out is not None:
+                return out
+        return fused.silu_mul(self(x))
+
     def load_weight(self, param: str, src: Any, part: int = 0) -> None:
         self._check_loadable()
         rows, off = self.row_slices[part], self.offsets[part]

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from kvray.kvcache.base import div_even
-from kvray.models import fused
 from kvray.models.config import ModelConfig
 from kvray.models.layers import (
     ColumnParallelLinear,
@@ -90,8 +89,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cols, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # gate_up_proj returns [gate | up] (this rank's columns of each)
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+        # gate_up_proj's product is [gate | up] (this rank's columns of each)
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from kvray.cpu_ext import CSRC, CpuExtension, kernels_enabled
+from kvray.models import fused
 
 _EXTENSION = CpuExtension(CSRC / "amx_linear.cpp")
 # The most rows the tile kernel takes for a weight under so many bytes (its tile copy's,
@@ -107,3 +108,17 @@ def packed_linear(
         out = _EXTENSION.load().linear_tiles(flat, tiles, out_features, bias)
         return out.reshape(*x.shape[:-1], out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def silu_mul_tiles(x: torch.Tensor, tiles: torch.Tensor, intermediate: int) -> torch.Tensor | None:
+    """`fused.silu_mul(packed_linear(x, ..., tiles, 2 * intermediate))` for a [gate | up]
+    weight's tiles, its bits, in one pass: each block of gate and of up is computed from
+    the same rows of x and goes straight into silu(gate) * up, without the [rows, 2 I]
+    product between them. None where the tiles would not serve those rows, or the
+    intermediate size is not a multiple of 32 (the caller then runs the two steps)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    table = fused.silu_table()
+    if intermediate % 32 != 0 or rows > tile_rows(tiles) or table is None:
+        return None
+    out = _EXTENSION.load().silu_mul_tiles(x.reshape(rows, x.shape[-1]), tiles, intermediate, table)
+    return out.reshape(*x.shape[:-1], intermediate)
