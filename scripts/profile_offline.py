@@ -6,7 +6,8 @@ Runs (with tcmalloc preloaded where the system has it, as the bench does) the be
 default workload (same seed, prompts, output lengths, engine settings;
 bfloat16 on all cores) through `kvray.LLM` once untimed at a small size, then once timed,
 wall-clocking every engine step and, inside it, every call of the hot op families:
-    linear        the oneDNN products (`kvray.models.packed.packed_linear`)
+    linear        the linear layers (`kvray.models.packed.packed_linear`, and
+                  `silu_mul_tiles`: the MLP's gate_up product with its SiLU-mul)
     attn_decode   the C++ paged decode kernel (`kvray.attention.cpu_paged`)
     attn_prompt   prompt (chunk) attention: the AMX kernel (`cpu_paged.paged_extend`),
                   or torch's SDPA where that kernel declines
@@ -44,7 +45,7 @@ from kvray.models import fused, packed
 from kvray.workers.host_memory import reexec_with_tcmalloc
 
 FAMILIES = {
-    "linear": [(packed, "packed_linear")],
+    "linear": [(packed, "packed_linear"), (packed, "silu_mul_tiles")],
     "attn_decode": [(cpu_paged, "paged_decode")],
     "attn_prompt": [(cpu_paged, "paged_extend"), (F, "scaled_dot_product_attention")],
     "fused": [(fused, n) for n in ("rms_norm", "add_rms_norm", "silu_mul", "rotary")],
