@@ -94,7 +94,8 @@ class ColumnParallelLinear(PackableLinear):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """`fused.silu_mul(self(x))` for a [gate | up] layer (two parts of one size): the
         same bits, in one pass on the tile kernel where it serves x."""
-        if self._tiles is not None and self.bias is None and self.num_parts == 2:
+        halves = self.num_parts == 2 and self.out_sizes[0] == self.out_sizes[1]
+        if self._tiles is not None and self.bias is None and halves:
             out = packed.silu_mul_tiles(x, self._tiles, self.out_sizes[0])
             if out is not None:
                 return out
