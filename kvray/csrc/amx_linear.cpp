@@ -26,6 +26,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVRAY_AMX 1
 #include "amx_tiles.h"
+#include "bf16_round.h"
 #endif
 
 namespace {
@@ -111,15 +112,6 @@ struct RowBlocks {
   int64_t stride(int64_t r0) const { return r0 < full ? xs : K; }
 };
 
-// float -> bfloat16 bits, round to nearest even with denormals kept, as torch (and
-// fused_ops.cpp's silu_mul) rounds; VCVTNEPS2BF16 would flush denormals.
-inline __m256i rne_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 #endif  // KVRAY_AMX
 
 }  // namespace
@@ -203,7 +195,8 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles, int64_t N,
 // silu(gate) * up for the [gate | up] product x W^T (W [2 I, K], I a multiple of 32, no
 // bias), bit for bit what silu_mul (fused_ops.cpp) gives on linear_tiles' product: gate and
 // up rounded to bf16 as linear_tiles rounds them, silu(gate) looked up in `table` (that
-// kernel's, 65536 floats by the gate's bits), the product rounded as silu_mul rounds it.
+// kernel's, 65536 floats by the gate's bits), the product rounded as silu_mul rounds it
+// (bf16_round.h).
 // Per 32-column block of gate, its block of up comes from the same rows of x.
 torch::Tensor silu_mul_tiles(torch::Tensor x, torch::Tensor tiles, int64_t I, torch::Tensor table) {
   TORCH_CHECK(tiles_permitted(), "the AMX tile registers are not available");
@@ -250,7 +243,7 @@ torch::Tensor silu_mul_tiles(torch::Tensor x, torch::Tensor tiles, int64_t I, to
             const __m512 s = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(g), silu, 4);
             const __m512 uf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(u), 16));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
-                                rne_bf16(_mm512_mul_ps(s, uf)));
+                                kvray_bf16::to_bf16(_mm512_mul_ps(s, uf)));
           }
         }
       }

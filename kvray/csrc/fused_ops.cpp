@@ -13,6 +13,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_round.h"
+
 // Built with -ffp-contract=off: a multiply followed by an add must round twice, as the
 // separate torch ops do, never fuse into one FMA. FMAs are written explicitly where ATen
 // (SLEEF) uses them.
@@ -69,19 +71,8 @@ inline float round_to(float f) {  // f rounded to T's precision
 
 // ---- rounding 16 floats to bfloat16 ---------------------------------------------------------
 
-// The bits of v rounded to bfloat16 precision (the bfloat16 is the high half of each lane):
-// round to nearest even, denormals kept, as c10::BFloat16 does. VCVTNEPS2BF16 would be one
-// instruction, but it flushes denormals to zero. NaN needs no special case here: every NaN
-// these kernels round comes from a bfloat16 input or is the default NaN of an invalid
-// operation, so its low 16 bits are zero, the bias cannot carry out of them, and it stays NaN.
-inline __m512i rne_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-}
-inline __m256i to_bf16(__m512 v) {
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rne_bits(v), 16));
-}
+using kvray_bf16::rne_bits;
+using kvray_bf16::to_bf16;
 
 // v rounded to T's precision, kept as float: what a T tensor holding v reads back as.
 template <typename T>
@@ -285,11 +276,6 @@ inline __m512 sleef_expf16_u10(__m512 d) {
   return u;
 }
 
-// silu(gate) as ATen's silu kernel computes it, rounded to T, times up, rounded to T. ATen's
-// vectorised loop takes two vectors at a time (64 bf16 or 32 float elements) and leaves the
-// rest of a row to its scalar loop, which calls the C library's expf instead of SLEEF's; this
-// kernel splits each row the same way. (For bfloat16 the two give the same result for every
-// input; for float32 they do not, and ATen can also split a row between threads.)
 inline __m512 silu16(__m512 x) {  // the vector loop's silu, before its rounding
   const __m512 e = sleef_expf16_u10(_mm512_xor_ps(x, _mm512_set1_ps(-0.0f)));
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
@@ -311,6 +297,11 @@ const float* bf16_silu_table() {
   return table.data();
 }
 
+// silu(gate) as ATen's silu kernel computes it, rounded to T, times up, rounded to T. ATen's
+// vectorised loop takes two vectors at a time (64 bf16 or 32 float elements) and leaves the
+// rest of a row to its scalar loop, which calls the C library's expf instead of SLEEF's; this
+// kernel splits each row the same way. (For bfloat16 the two give the same result for every
+// input; for float32 they do not, and ATen can also split a row between threads.)
 template <typename T>
 void silu_mul_impl(const torch::Tensor& gu, torch::Tensor& out) {
   const int64_t rows = gu.size(0), I = out.size(1), sg = gu.stride(0), so = out.stride(0);

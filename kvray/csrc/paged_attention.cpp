@@ -15,6 +15,8 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_round.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVRAY_AMX 1
 #include "amx_tiles.h"
@@ -29,11 +31,7 @@ inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> 16 float
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 inline void store16(uint16_t* p, __m512 v) {  // float -> bfloat16, round to nearest even
-  __m512i u = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), kvray_bf16::to_bf16(v));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
