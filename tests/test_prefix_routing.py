@@ -151,6 +151,30 @@ def router_decisions(http: httpx.Client) -> dict[str, float]:
     return {k[len(prefix) : -1]: v for k, v in samples(http).items() if k.startswith(prefix)}
 
 
+def router_loads(http: httpx.Client) -> dict[str, float]:
+    """The router's view of each replica's engine load, by replica id."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        sample.labels["replica"]: sample.value
+        for family in text_string_to_metric_families(http.get("/metrics").text)
+        for sample in family.samples
+        if sample.name == "kvray:router_engine_load"
+    }
+
+
+def wait_for_router_load(http: httpx.Client, scheduler: str, at_least: int) -> None:
+    """Until the router has heard that `scheduler`'s engine holds `at_least` requests."""
+    deadline = time.monotonic() + 30
+    while True:
+        loads = router_loads(http)
+        seen = [v for replica, v in loads.items() if scheduler.endswith(f"-{replica}")]
+        if seen and seen[0] >= at_least:
+            return
+        assert time.monotonic() < deadline, (scheduler, loads)
+        time.sleep(0.05)
+
+
 def hf_text(tokenizer: Any, prompt: list[int], ids: list[int]) -> str:
     """The text the server shows for output tokens `ids` after `prompt` (its detokenizer)."""
     from kvray.text.detokenizer import IncrementalDetokenizer
@@ -206,7 +230,8 @@ def test_a_loaded_replica_loses_the_follow_up(
     busy = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     rids = [ray.get(actor.submit.remote(opening(20 + i)[:30], busy)) for i in range(MARGIN + 2)]
     try:
-        time.sleep(0.3)  # the engine's load reaches the router with its next step
+        # The engine's load reaches the router with its next step: wait until it has.
+        wait_for_router_load(http, home, len(rids))
         decisions0 = router_decisions(http)
         follow_up = prompt + hf_greedy(hf, prompt, TURN_TOKENS) + [42] * 6
         before = stats()

@@ -248,6 +248,10 @@ def _fetch_seconds(labels: list[str], stats: list[dict[str, Any]]) -> Metric:
 # any page); and the prompt tokens routed ("tokens"), of which the chosen replicas were
 # known to hold "matched_tokens".
 ROUTER_STATS: collections.Counter[str] = collections.Counter()
+# Each engine replica's requests running or waiting, as the prefix router in this process
+# last heard from its engine (replica id -> count); a replica leaves when the router stops
+# following it.
+ROUTER_ENGINE_LOADS: dict[str, int] = {}
 
 
 class RouterCollector(Collector):
@@ -285,3 +289,12 @@ class RouterCollector(Collector):
             c = CounterMetricFamily(f"kvray:{name}", doc, labels=["model_name"])
             c.add_metric(labels, float(stats.get(key, 0)))
             yield c
+        loads = GaugeMetricFamily(
+            "kvray:router_engine_load",
+            "Requests running or waiting at each engine replica, as the prefix router last "
+            "heard from its engine (what the load margin compares).",
+            labels=["model_name", "replica"],
+        )
+        for replica, load in sorted(ROUTER_ENGINE_LOADS.items()):
+            loads.add_metric([*labels, replica], float(load))
+        yield loads

@@ -143,6 +143,7 @@ class EngineFollowingRouter(RequestRouter):
         if task is not None:
             task.cancel()
         self._views.pop(rid, None)
+        metrics.ROUTER_ENGINE_LOADS.pop(rid.unique_id, None)
 
     async def _follow(self, rid: ReplicaID, view: _EngineView) -> None:
         """Keep `view` current with one replica's engine, until cancelled."""
@@ -165,6 +166,7 @@ class EngineFollowingRouter(RequestRouter):
                 await asyncio.sleep(RETRY_S)
                 continue
             view.alive = True
+            metrics.ROUTER_ENGINE_LOADS[rid.unique_id] = view.load
             if delta is not None:  # (None: a cache policy without a digest)
                 view.digest.apply(delta)
             view.expire(time.monotonic())
