@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
 CachePolicy = Literal["radix", "naive"]
@@ -24,6 +24,21 @@ PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 def cli_aliases(*flags: str) -> dict[str, Any]:
     """Extra command-line spellings of a field's flag (its own is --field-name)."""
     return {"cli_aliases": list(flags)}
+
+
+def _check_lookup(config: Any) -> Any:
+    if config.prompt_lookup_min > config.prompt_lookup_max:
+        raise ValueError(
+            f"prompt_lookup_min ({config.prompt_lookup_min}) must not exceed "
+            f"prompt_lookup_max ({config.prompt_lookup_max})"
+        )
+    if getattr(config, "overlap_schedule", None) and config.speculative_tokens:
+        raise ValueError(
+            "speculative_tokens needs overlap_schedule off: a request's drafts come from "
+            "its tokens, which must all be known when its step is planned (leave "
+            "overlap_schedule unset, and it is off whenever speculative_tokens is set)"
+        )
+    return config
 
 
 class EngineConfig(BaseModel):
@@ -81,6 +96,23 @@ class EngineConfig(BaseModel):
     max_seq_len: int | None = Field(
         default=None, gt=1, description="longest prompt + output; None: the model's context"
     )
+    speculative_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="n-gram speculative decoding (prompt lookup): each step, a greedy request "
+        "drafts up to this many tokens that followed the last occurrence of its latest "
+        "tokens earlier in its prompt and output, and one step checks them all, keeping the "
+        "draft up to its first token that greedy decoding would not have chosen. The tokens "
+        "are exactly those of plain greedy decoding; requests that sample, ask for logprobs "
+        "or follow a grammar decode one token a step. 0: off",
+    )
+    prompt_lookup_max: int = Field(
+        default=3, gt=0, description="longest run of a request's latest tokens a draft matches"
+    )
+    prompt_lookup_min: int = Field(
+        default=1, gt=0, description="shortest run of a request's latest tokens a draft matches"
+    )
     attention_backend: str = Field(
         default="auto",
         min_length=1,
@@ -92,7 +124,7 @@ class EngineConfig(BaseModel):
         "N's tokens one step late). It hides the scheduler's time behind a GPU's; on CPUs "
         "the workers' threads already take every core, and a request arriving mid-step "
         "then waits for one more step before its prompt is computed. None: on for CUDA "
-        "workers, off on CPUs",
+        "workers, off on CPUs and with speculative_tokens",
     )
     small_batch_kernel: bool | None = Field(
         default=None,
@@ -121,6 +153,8 @@ class EngineConfig(BaseModel):
         default="PACK", description="Ray placement of one engine's TP workers"
     )
 
+    _lookup = model_validator(mode="after")(_check_lookup)
+
     def scheduler_config(self, num_pages: int, max_seq_len: int) -> SchedulerConfig:
         shared = {name: getattr(self, name) for name in SchedulerConfig.shared_fields()}
         return SchedulerConfig(num_pages=num_pages, max_seq_len=max_seq_len, **shared)
@@ -146,6 +180,11 @@ class SchedulerConfig(BaseModel):
     max_prefill_tokens: int = _engine_field("max_prefill_tokens")
     itl_target_ms: float | None = _engine_field("itl_target_ms")
     cache_policy: CachePolicy = _engine_field("cache_policy")
+    speculative_tokens: int = _engine_field("speculative_tokens")
+    prompt_lookup_max: int = _engine_field("prompt_lookup_max")
+    prompt_lookup_min: int = _engine_field("prompt_lookup_min")
+
+    _lookup = model_validator(mode="after")(_check_lookup)
 
     @classmethod
     def shared_fields(cls) -> list[str]:

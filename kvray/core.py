@@ -199,6 +199,7 @@ class Req:
     output_top_logprobs: list[Any] = field(default_factory=list)
     num_computed_prefill: int = 0  # prompt tokens this request actually computed (not cached)
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at admission
+    drafted: int = 0  # draft tokens its step in flight checks (speculative decoding)
     stop_ids: frozenset[int] = frozenset()  # token ids that end this request (EOS + stop ids)
     seed: int = 0  # the sampler's seed: sampling.seed, or one the engine drew for it
     arrival_time: float = field(default_factory=time.monotonic)
@@ -273,6 +274,13 @@ class StepPlan:
     wrote the previous sampled token into its token pool itself. Requests with
     `sample[i]` produce one token, written to token_pool[row, starts[i] + extend_lens[i]].
 
+    Speculative decoding: a greedy decode with `num_drafts[i]` = d > 0 computes its last
+    token and d draft tokens after it (all d + 1 in `fill_ids`), and samples at each of
+    the d + 1 positions. It keeps the samples up to and including the first that differs
+    from the draft token it checks (or all d + 1): a + 1 tokens, the a drafts that held and
+    one more, which goes to token_pool[row, starts[i] + 1 + a]. Positions past that hold
+    K/V of rejected drafts, which later steps overwrite.
+
     Workers apply, in this order: `freed_rows`, `admitted`, `table_writes`, then the batch.
     """
 
@@ -287,6 +295,7 @@ class StepPlan:
     table_writes: tuple[TableWrite, ...] = ()
     admitted: tuple[Admission, ...] = ()
     freed_rows: tuple[int, ...] = ()
+    num_drafts: np.ndarray | None = None  # int32 [B]; None: no drafts in this step
 
     @property
     def batch_size(self) -> int:
@@ -318,9 +327,18 @@ class StepPlan:
 
     @property
     def sampled_positions(self) -> np.ndarray:
-        """Where each sampled token goes in its row (the position after the last computed)."""
+        """Where each sampled token goes in its row (the position after the last computed;
+        for a drafting request, after its last draft: where it goes if all drafts hold)."""
         ends: np.ndarray = (self.starts + self.extend_lens)[self.sample]
         return ends
+
+    @property
+    def sampled_drafts(self) -> np.ndarray:
+        """Draft tokens each sampling request checks, in batch order (int64)."""
+        if self.num_drafts is None:
+            return np.zeros(self.num_samples, dtype=np.int64)
+        drafts: np.ndarray = self.num_drafts[self.sample].astype(np.int64)
+        return drafts
 
 
 @dataclass(frozen=True)
@@ -350,13 +368,15 @@ def ended_on_stop_token(event: TokenEvent, sampling: SamplingParams) -> bool:
 
 @dataclass(frozen=True)
 class StepResult:
-    """Rank 0's answer to a plan: one entry per request with sample=True, in batch order."""
+    """Rank 0's answer to a plan: the tokens of each request with sample=True, in batch
+    order; one each, unless the plan had drafts (then `num_tokens` says how many)."""
 
     step_id: int
-    token_ids: np.ndarray  # int32 [num_samples]
-    logprobs: np.ndarray | None = None  # float32 [num_samples]
-    top_ids: np.ndarray | None = None  # int32 [num_samples, k]
-    top_logprobs: np.ndarray | None = None  # float32 [num_samples, k]
+    token_ids: np.ndarray  # int32 [sum(num_tokens)]
+    logprobs: np.ndarray | None = None  # float32 [sum(num_tokens)]
+    top_ids: np.ndarray | None = None  # int32 [sum(num_tokens), k]
+    top_logprobs: np.ndarray | None = None  # float32 [sum(num_tokens), k]
     # Rank 0's wall time for the step, plan in to tokens on the host: the scheduler's
     # step-cost model learns from it (None: not measured).
     compute_s: float | None = None
+    num_tokens: np.ndarray | None = None  # int32 [num_samples]; None: one each

@@ -14,7 +14,7 @@ wall-clocking every engine step and, inside it, every call of the hot op familie
     fused         the C++ norm / RoPE / SiLU-mul kernels (`kvray.models.fused`)
     store_kv      writing each layer's K/V into the pool (`kvray.kvcache.cpu_store`)
 Steps are split into those that compute prompt tokens ("prefill", decodes riding along)
-and decode-only steps, whose times are also binned by batch size. A CPU computes eagerly,
+and decode-only steps (with any speculative drafts they check), whose times are also binned by batch size. A CPU computes eagerly,
 so wall clocks around calls measure them; wrapping costs a few microseconds per call.
 
 With --steps it measures instead what `scripts/profile_vllm_steps.py` measures of vLLM, the
@@ -110,7 +110,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", action="store_true", help="step times, as profile_vllm_steps.py")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--speculative-tokens", type=int, default=None, help="(default: the engine's)")
     args = ap.parse_args()
+    engine_args = {}
+    if args.speculative_tokens is not None:
+        engine_args["speculative_tokens"] = args.speculative_tokens
 
     llm = LLM(
         dtype="bfloat16",
@@ -118,6 +122,7 @@ def main() -> None:
         max_prefill_tokens=args.max_prefill_tokens,
         seed=args.seed,
         progress=False,
+        **engine_args,
     )
     vocab = llm.spec.vocab_size
     wl = make_workload(
@@ -132,10 +137,14 @@ def main() -> None:
     steps: list[tuple[str, int, float, dict[str, float]]] = []  # kind, decodes, s, spent
     executor = llm.engine.executor
     submit = executor.submit
-    planned: list[tuple[int, int]] = []
+    planned: list[tuple[int, int]] = []  # (prompt tokens, decodes) of each plan
 
     def record_plan(plan: Any) -> Any:
-        planned.append((int(plan.num_tokens), int((plan.extend_lens == 1).sum())))
+        decodes = plan.extend_lens == 1
+        if plan.num_drafts is not None:
+            decodes |= plan.num_drafts > 0
+        prompt = int(plan.extend_lens[~decodes].sum())
+        planned.append((prompt, int(decodes.sum())))
         return submit(plan)
 
     executor.submit = record_plan  # type: ignore[method-assign]
@@ -148,8 +157,8 @@ def main() -> None:
         out = step(core)
         dt = time.perf_counter() - t
         if len(planned) > n:
-            tokens, decodes = planned[-1]
-            kind = "prefill" if tokens > decodes else "decode"
+            prompt, decodes = planned[-1]
+            kind = "prefill" if prompt else "decode"
             steps.append((kind, decodes, dt, dict(_spent)))
         return out
 

@@ -6,6 +6,10 @@ through the page table, and a sampled token is a function of the last hash. So t
 of a request is a pure function of its prompt (`reference_tokens`), like greedy decoding,
 and any slot that is handed to two requests, evicted while in use, or left unwritten
 changes the output.
+
+Its tokens often repeat (most follow from the previous token alone, the rest from the
+hash), so n-gram drafts (speculative decoding) are checked and often held: a plan's drafts
+are checked as the model worker checks them, keeping the samples up to the first miss.
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ def _mix(h: int, token: int) -> int:
     return ((h ^ (token + 0x632BE59BD9B4E019)) * 0x100000001B3) & _MASK
 
 
-def _next_token(h: int, vocab_size: int) -> int:
-    return (h >> 17) % vocab_size
+def _next_token(h: int, token: int, vocab_size: int) -> int:
+    """The token after one with hash `h`: mostly the token after `token` in a fixed
+    cycle (so drafts often hold), a quarter of the time one that depends on the hash."""
+    if (h >> 7) % 4 == 0:
+        return (h >> 17) % vocab_size
+    return (token * 7 + 3) % vocab_size
 
 
 def reference_tokens(
@@ -38,12 +46,14 @@ def reference_tokens(
     for t in prompt:
         h = _mix(h, t)
     out: list[int] = []
+    last = prompt[-1]
     while len(out) < max_tokens:
-        tok = _next_token(h, vocab_size)
+        tok = _next_token(h, last, vocab_size)
         out.append(tok)
         if tok in stop_ids:
             break
         h = _mix(h, tok)
+        last = tok
     return out
 
 
@@ -61,19 +71,32 @@ class HashChainExecutor:
         assert len(np.unique(plan.out_loc)) == len(plan.out_loc), "two tokens share a slot"
         batch = self.mirror.apply(plan)
         tokens: list[int] = []
+        counts: list[int] = []
+        drafts = plan.num_drafts if plan.num_drafts is not None else np.zeros(plan.batch_size)
         if batch is not None:
             page_table, token_pool = self.page_table, self.mirror.token_pool.numpy()
             for i in range(plan.batch_size):
                 row, start, n = int(plan.rows[i]), int(plan.starts[i]), int(plan.extend_lens[i])
                 h = int(self.kv[page_table[row, start - 1]]) if start > 0 else _SEED
+                checked = start + n - 1 - int(drafts[i])  # the first position sampled at
+                kept = 0
                 for p in range(start, start + n):
-                    h = _mix(h, int(token_pool[row, p]))
+                    tok = int(token_pool[row, p])
+                    h = _mix(h, tok)
                     self.kv[page_table[row, p]] = h
+                    if plan.sample[i] and p >= checked:
+                        out = _next_token(h, tok, self.vocab_size)
+                        tokens.append(out)
+                        kept += 1
+                        if p + 1 < start + n and out == int(token_pool[row, p + 1]):
+                            continue  # the draft held: check the next one
+                        token_pool[row, p + 1] = out  # (the mirror's pool, for next step)
+                        break
                 if plan.sample[i]:
-                    tokens.append(_next_token(h, self.vocab_size))
-            self.mirror.record_sampled(plan, torch.tensor(tokens, dtype=torch.int64))
+                    counts.append(kept)
         return StepResult(
             plan.step_id,
             np.asarray(tokens, dtype=np.int32),
             logprobs=np.zeros(len(tokens), dtype=np.float32),
+            num_tokens=np.asarray(counts, dtype=np.int32) if plan.num_drafts is not None else None,
         )

@@ -391,6 +391,36 @@ def test_smollm2_tp3_matches_tp1_and_hf(kvray_ray_cluster, smol_refs) -> None:
         shutdown_and_check(llm, before)
 
 
+def test_tp2_speculative_decoding_matches_hf(kvray_ray_cluster, tiny) -> None:
+    """n-gram drafts checked on two ranks: HF's greedy tokens exactly. Overlap scheduling
+    (drafts need every token known at planning) is refused beside them."""
+    from transformers import AutoModelForCausalLM
+
+    entry = tiny["kv2"]
+    hf = AutoModelForCausalLM.from_pretrained(entry["path"], torch_dtype=torch.float32)
+    loop = PROMPTS[1][:5] * 5
+    prompts = [*PROMPTS, loop]
+    want = [hf_greedy(hf, p, 40) for p in prompts]
+    with pytest.raises(ValueError, match="overlap_schedule"):
+        LLM(model=str(entry["path"]), tp_size=2, overlap_schedule=True, speculative_tokens=4)
+    llm, before = start_engine(
+        entry["path"],
+        tp_size=2,
+        page_size=PAGE_SIZE,
+        num_pages=NUM_PAGES * 2,
+        max_prefill_tokens=PREFILL_BUDGET,
+        speculative_tokens=4,
+    )
+    try:
+        got = [o.token_ids for o in llm.generate(prompts, greedy(40))]
+        assert_same(got, want, "TP 2 with drafts vs Hugging Face")
+        stats = llm.engine.stats()
+        assert stats["accepted_draft_tokens"] > 0
+        assert stats["draft_tokens"] > stats["accepted_draft_tokens"]
+    finally:
+        shutdown_and_check(llm, before)
+
+
 # -- 4: the StepPlan is a delta -------------------------------------------------------------
 
 

@@ -20,7 +20,16 @@ VOCAB = 40
 EOS = 0
 
 
-def make(ps=4, num_pages=64, policy="radix", max_running=16, budget=64, max_seq_len=512, itl=None):
+def make(
+    ps=4,
+    num_pages=64,
+    policy="radix",
+    max_running=16,
+    budget=64,
+    max_seq_len=512,
+    itl=None,
+    speculative=0,
+):
     cfg = SchedulerConfig(
         num_pages=num_pages,
         page_size=ps,
@@ -29,6 +38,7 @@ def make(ps=4, num_pages=64, policy="radix", max_running=16, budget=64, max_seq_
         max_seq_len=max_seq_len,
         cache_policy=policy,
         itl_target_ms=itl,
+        speculative_tokens=speculative,
     )
     sched = Scheduler(cfg, eos_token_ids=[EOS])
     ex = HashChainExecutor(
@@ -254,6 +264,8 @@ def test_random_sequences_keep_every_invariant(ps, policy, data):
         # An inter-token-latency target over synthetic step times (1 ms + 1 ms a token):
         # none, one that bites beside a few decodes, one that holds prefill to its minimum.
         itl=data.draw(st.sampled_from([None, 20.0, 1e-3]), label="itl_target_ms"),
+        # n-gram drafts for the greedy requests (checked by the executor as a worker does)
+        speculative=data.draw(st.sampled_from([0, 1, 4]), label="speculative_tokens"),
     )
     overlap = data.draw(st.booleans(), label="overlap")
     rng = random.Random(data.draw(st.integers(0, 2**32), label="seed"))
@@ -295,7 +307,11 @@ def test_random_sequences_keep_every_invariant(ps, policy, data):
     for op in ops:
         if op == "add":
             prompt = rand_prompt(rng, bases)
-            sp = SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=rng.random() < 0.3)
+            sp = SamplingParams(
+                temperature=0.0 if rng.random() < 0.7 else 1.0,
+                max_tokens=rng.randrange(1, 40),
+                ignore_eos=rng.random() < 0.3,
+            )
             if len(prompt) + sp.max_tokens > limit:
                 with pytest.raises(RequestRejected):
                     sched.add_request(next_rid, prompt, sp)
@@ -337,6 +353,8 @@ def test_random_sequences_keep_every_invariant(ps, policy, data):
             assert got == ref[: len(got)]
         else:
             assert got == ref
+    event(f"drafts held: {sched.stats.accepted_draft_tokens > 0}")
+    event(f"drafts missed: {sched.stats.draft_tokens > sched.stats.accepted_draft_tokens}")
     event(f"retracted: {sched.stats.num_preemptions > 0}")
     event(f"evicted: {sched.cache.evicted_pages > 0}")
     event(f"finished: {min(sched.stats.num_finished, 10) // 5 * 5}+")

@@ -112,8 +112,8 @@ class SchedulerActor:
     ) -> None:
         self.spec = spec
         overlap = spec.config.overlap_schedule
-        if overlap is None:
-            overlap = device.startswith("cuda")
+        if overlap is None:  # (drafts need every token known: EngineConfig says why)
+            overlap = device.startswith("cuda") and spec.config.speculative_tokens == 0
         # Steps in flight at once: with overlap, plan N+1 goes out before N's result is read.
         self.max_inflight = 2 if overlap else 1
         # What start() builds: the TP group's workers (nothing is started before then).

@@ -140,6 +140,15 @@ class CacheManager:
             cols = (np.asarray(page_idx, dtype=np.int32) * ps)[:, None] + self._offsets
             self.page_table[np.asarray(rows)[:, None], cols] = pages[:, None] + self._offsets
 
+    def shrink(self, req: Req, cached_len: int) -> None:
+        """Free the pages a running request holds past what `cached_len` needs (its
+        rejected drafts' pages), before its cached_len drops to that."""
+        ps = self.page_size
+        end = alloc_len(req, ps)
+        keep = div_ceil(cached_len, ps) * ps
+        if keep < end:
+            self._free(self.page_table[req.table_idx, keep:end].copy())
+
     # -- prefixes ---------------------------------------------------------------------------
 
     def match_req(self, req: Req) -> BaseCacheHandle:

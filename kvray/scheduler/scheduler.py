@@ -28,11 +28,13 @@ from kvray.core import (
     StepPlan,
     StepResult,
     TokenEvent,
+    div_ceil,
     flat_positions,
 )
 from kvray.kvcache import create_prefix_cache
 from kvray.scheduler.budget import PrefillBudget
 from kvray.scheduler.cache import CacheManager
+from kvray.scheduler.ngram import NgramIndex
 from kvray.scheduler.prefill import PrefillAdder
 from kvray.scheduler.table import TableManager
 
@@ -71,6 +73,8 @@ class SchedulerStats:
     decode_tokens: int = 0
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of those, found cached
+    draft_tokens: int = 0  # speculative decoding: draft tokens checked...
+    accepted_draft_tokens: int = 0  # ...and of those, kept (each one a step saved)
     num_preemptions: int = 0
     num_finished: int = 0
     num_aborted: int = 0
@@ -102,6 +106,7 @@ class Scheduler:
         self._inflight: dict[int, list[Req]] = {}  # step_id -> requests sampled by it
         self._shapes: dict[int, tuple[int, int]] = {}  # step_id -> (decodes, prefill tokens)
         self.budget = PrefillBudget(config)
+        self._ngrams: dict[int, NgramIndex] = {}  # drafting requests' n-gram indexes
         self._next_step_id = 0
         self.stats = SchedulerStats()
         self._seeds = random.Random(seed)
@@ -229,6 +234,7 @@ class Scheduler:
         ps = self.page_size
         adder = PrefillAdder(self.cache, self.table, self.budget.tokens(self.num_decoding))
         batch: list[tuple[Req, int, bool]] = []  # (request, tokens, is_prefill)
+        drafts: dict[int, list[int]] = {}  # decoding request -> its draft tokens (maybe none)
         retracted = False
 
         # 1. Running requests, oldest first: one decode token each, or the next prefill
@@ -245,6 +251,8 @@ class Scheduler:
                 if chunk > 0:
                     adder.take(req, chunk)
                     batch.append((req, chunk, True))
+            elif req.drafted and req.pending:
+                pass  # its drafts' outcome (and so its length) is still in flight
             elif req.device_len < req.max_device_len:
                 if req.cached_len % ps == 0:  # its next token opens a new page
                     if adder.pages_left < 1:
@@ -255,7 +263,13 @@ class Scheduler:
                             self._retract(req)  # the newest left, and it cannot grow
                             continue
                     adder.committed_pages += 1
-                batch.append((req, 1, False))
+                draft = self._draft(req, adder.pages_left)
+                if draft:
+                    adder.committed_pages += div_ceil(req.device_len + len(draft), ps) - div_ceil(
+                        req.device_len, ps
+                    )
+                batch.append((req, 1 + len(draft), False))
+                drafts[req.rid] = draft
             i += 1
 
         # 2. Admit waiting requests in order (retracted ones first), unless this step just
@@ -290,10 +304,43 @@ class Scheduler:
 
         if not batch:
             return None
-        return self._build_plan(batch, admitted)
+        return self._build_plan(batch, admitted, drafts)
+
+    def _draft(self, req: Req, pages_left: int) -> list[int]:
+        """Draft tokens for a decoding request to check this step (speculative decoding):
+        greedy requests only, whose every token is known (none in flight), as many as
+        leave room for one more token within max_tokens and fit in the free pages."""
+        k = self.config.speculative_tokens
+        sp = req.sampling
+        if (
+            k == 0
+            or req.pending
+            or not sp.greedy
+            or sp.logprobs is not None
+            or sp.structured_outputs is not None
+        ):
+            return []
+        k = min(k, req.max_device_len - req.device_len - 1)
+        if k <= 0:
+            return []
+        index = self._ngrams.get(req.rid)
+        if index is None:
+            index = self._ngrams[req.rid] = NgramIndex(
+                self.config.prompt_lookup_min, self.config.prompt_lookup_max
+            )
+        draft = index.draft(req.input_ids, k)
+        ps = self.page_size
+        while draft and div_ceil(req.device_len + len(draft), ps) - div_ceil(
+            req.device_len, ps
+        ) > pages_left:
+            draft.pop()
+        return draft
 
     def _build_plan(
-        self, batch: list[tuple[Req, int, bool]], admitted: list[Admission]
+        self,
+        batch: list[tuple[Req, int, bool]],
+        admitted: list[Admission],
+        drafts: dict[int, list[int]],
     ) -> StepPlan:
         reqs = [r for r, _, _ in batch]
         for req, n, _ in batch:
@@ -311,6 +358,7 @@ class Scheduler:
 
         sample = np.zeros(len(reqs), dtype=np.bool_)
         fill_lens = np.zeros(len(reqs), dtype=np.int32)
+        num_drafts = np.zeros(len(reqs), dtype=np.int32)
         fills: list[np.ndarray] = []
         sampled: list[Req] = []
         token_pool = self.table.token_pool
@@ -332,6 +380,17 @@ class Scheduler:
                 # the next step on can share them.
                 self.cache.cache_req(req, finished=False)
             else:
+                draft = drafts.get(req.rid)
+                if draft:
+                    # Its last token (the workers hold it) and the drafts after it.
+                    s = req.cached_len
+                    ids = np.asarray([req.input_ids[s], *draft], dtype=np.int32)
+                    token_pool[req.table_idx, s : s + n] = ids
+                    fills.append(ids)
+                    fill_lens[j] = n
+                    num_drafts[j] = len(draft)
+                    self.stats.draft_tokens += len(draft)
+                req.drafted = n - 1
                 req.complete_one()
                 sample[j] = True
                 self.stats.decode_tokens += 1
@@ -342,8 +401,10 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         self.stats.steps += 1
-        num_prefills = int(np.count_nonzero(fill_lens))
-        self._shapes[step_id] = (len(batch) - num_prefills, int(fill_lens.sum()))
+        num_prefills = int(sum(1 for _, _, is_prefill in batch if is_prefill))
+        # The cost model counts checked drafts as prompt tokens: both are extra rows.
+        extra = int(ext.sum()) - (len(batch) - num_prefills)
+        self._shapes[step_id] = (len(batch) - num_prefills, extra)
         if sampled:
             self._inflight[step_id] = sampled
         return StepPlan(
@@ -358,6 +419,7 @@ class Scheduler:
             table_writes=writes,
             admitted=tuple(admitted),
             freed_rows=freed,
+            num_drafts=num_drafts if num_drafts.any() else None,
         )
 
     def process_result(self, result: StepResult) -> list[TokenEvent]:
@@ -380,35 +442,41 @@ class Scheduler:
             ]
         token_pool = self.table.token_pool
         finished = ReqStatus.FINISHED
-        for i, req in enumerate(reqs):
+        counts = [1] * len(reqs) if result.num_tokens is None else result.num_tokens.tolist()
+        end = 0
+        for req, count in zip(reqs, counts, strict=True):
             req.pending -= 1
+            start, end = end, end + count
+            drafted, req.drafted = req.drafted, 0
             if req.status is finished:
                 continue  # aborted or finished while this step was in flight
-            tok = token_ids[i]
-            ids = req.input_ids
-            ids.append(tok)
-            if req.table_idx >= 0:
-                token_pool[req.table_idx, len(ids) - 1] = tok
-            # A batch computes logprobs for every row once any row asks: keep only what
-            # this request asked for, so its output never depends on its batch mates.
-            lp = top = None
-            if req.sampling.logprobs is not None:
-                lp = logprobs[i]
-                if lp is not None:
-                    req.output_logprobs.append(lp)
-                if tops is not None and req.sampling.logprobs > 0:
-                    top = tops[i][: req.sampling.logprobs]
-                    req.output_top_logprobs.append(top)
-            reason = None
-            if tok in req.stop_ids:
-                reason = FinishReason.STOP
-            elif len(ids) >= req.max_device_len:
-                reason = FinishReason.LENGTH
-            if reason is not None:
+            if drafted:
+                self._settle_drafts(req, drafted, count - 1)
+            for i in range(start, end):
+                tok = token_ids[i]
+                ids = req.input_ids
+                ids.append(tok)
+                if req.table_idx >= 0:
+                    token_pool[req.table_idx, len(ids) - 1] = tok
+                # A batch computes logprobs for every row once any row asks: keep only what
+                # this request asked for, so its output never depends on its batch mates.
+                lp = top = None
+                if req.sampling.logprobs is not None:
+                    lp = logprobs[i]
+                    if lp is not None:
+                        req.output_logprobs.append(lp)
+                    if tops is not None and req.sampling.logprobs > 0:
+                        top = tops[i][: req.sampling.logprobs]
+                        req.output_top_logprobs.append(top)
+                reason = None
+                if tok in req.stop_ids:
+                    reason = FinishReason.STOP
+                elif len(ids) >= req.max_device_len:
+                    reason = FinishReason.LENGTH
+                if reason is None:
+                    events.append(TokenEvent(req.rid, tok, lp, top))
+                    continue
                 self._finish(req, reason)
-            if reason is None:
-                events.append(TokenEvent(req.rid, tok, lp, top))
-            else:
                 events.append(
                     TokenEvent(
                         req.rid,
@@ -420,7 +488,19 @@ class Scheduler:
                         queue_time_s=req.queue_time_s,
                     )
                 )
+                break  # (tokens kept past a stop are dropped)
         return events
+
+    def _settle_drafts(self, req: Req, drafted: int, accepted: int) -> None:
+        """A drafting step's outcome: positions of rejected drafts no longer count as
+        computed, and pages that only they used go back to the free list."""
+        self.stats.accepted_draft_tokens += accepted
+        rejected = drafted - accepted
+        if rejected == 0 or req.status is not ReqStatus.RUNNING:
+            return  # (a retracted request holds no pages; it recomputes what it keeps)
+        self.cache.shrink(req, req.cached_len - rejected)
+        req.cached_len -= rejected
+        req.device_len -= rejected
 
     def _defer_for_shared_prefix(self, req: Req, prefilling: list[Req]) -> bool:
         """Would `req` match a longer cached prefix once some prefilling request has
@@ -466,6 +546,7 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
         del self.reqs[req.rid]
+        self._ngrams.pop(req.rid, None)
         self.stats.num_finished += 1
 
     # -- invariants ---------------------------------------------------------------------------

@@ -111,16 +111,24 @@ class ModelWorker:
         batch = self.mirror.apply(plan)
         if batch is None:
             return None
+        checks = _Checks.of(plan)
+        rows, starts, lens = batch.rows, plan.starts, plan.extend_lens
+        if checks is not None:
+            # A drafting request's positions attend as that many decodes, each over the
+            # keys up to itself: the same kernels and sums as decoding them one by one.
+            rows, starts, lens = checks.as_decodes(plan)
         meta = AttnMetadata.build(
             self.mirror.page_table,
-            batch.rows,
-            plan.starts,
-            plan.extend_lens,
+            rows,
+            starts,
+            lens,
             pad_slot=self.dummy_slot,
             positions=batch.positions,
         )
-        sample_mask = torch.tensor(plan.sample, dtype=torch.bool)
-        logits_indices = (meta.cu_seqlens_q[1:].long() - 1)[sample_mask.to(self.device)]
+        ends = (np.cumsum(plan.extend_lens, dtype=np.int64) - 1)[plan.sample]
+        if checks is not None:  # every drafting request's position of each draft, too
+            ends = np.repeat(ends, checks.counts) - checks.back
+        logits_indices = torch.from_numpy(ends).to(self.device)
         self.attn.prepare(meta)
         logits = self.model(
             self.mirror.input_ids(batch), batch.positions, self.attn, logits_indices
@@ -137,23 +145,101 @@ class ModelWorker:
         params = self.mirror.sampling_of(plan)
         top_k = max((p.logprobs or 0) for p, _ in params)
         sampled_rows = plan.sampled_rows.tolist()
+        positions = plan.sampled_positions.tolist()
+        if checks is not None:  # one sample per checked position
+            params = [p for p, n in zip(params, checks.counts, strict=True) for _ in range(n)]
+            positions = checks.positions.tolist()
+            logit_rows = np.repeat(plan.sampled_rows, checks.counts).tolist()
+        else:
+            logit_rows = sampled_rows
         out = sample_device(
             logits,
             [p for p, _ in params],
             [s for _, s in params],
-            plan.sampled_positions.tolist(),
+            positions,
             top_k,
             with_logprobs=any(p.logprobs is not None for p, _ in params),
-            token_bitmask=self.grammar.token_bitmask(sampled_rows),
+            token_bitmask=self.grammar.token_bitmask(logit_rows),
         )
-        self.mirror.record_sampled(plan, out.token_ids)
+        if checks is None:
+            self.mirror.record_sampled(plan, out.token_ids)
+            host = out.numpy()
+            self.grammar.advance(sampled_rows, host.token_ids.tolist())
+            return StepResult(
+                plan.step_id,
+                host.token_ids,
+                host.logprobs,
+                host.top_ids,
+                host.top_logprobs,
+                compute_s=time.perf_counter() - start,
+            )
         host = out.numpy()
-        self.grammar.advance(sampled_rows, host.token_ids.tolist())
+        drafts = self.mirror.drafts(plan, checks.positions)
+        keep, num_tokens = checks.accept(host.token_ids, drafts)
+        kept = host.token_ids[keep]
+        self.mirror.record_tokens(
+            np.repeat(plan.sampled_rows, checks.counts)[keep], checks.positions[keep], kept
+        )
+        last = np.cumsum(num_tokens) - 1
+        self.grammar.advance(sampled_rows, kept[last].tolist())
         return StepResult(
             plan.step_id,
-            host.token_ids,
-            host.logprobs,
-            host.top_ids,
-            host.top_logprobs,
+            kept,
+            None if host.logprobs is None else host.logprobs[keep],
+            None if host.top_ids is None else host.top_ids[keep],
+            None if host.top_logprobs is None else host.top_logprobs[keep],
             compute_s=time.perf_counter() - start,
+            num_tokens=num_tokens,
         )
+
+
+@dataclass(frozen=True)
+class _Checks:
+    """A step's speculative checks: each sampling request samples at its last `counts[i]`
+    computed positions (its drafts + 1), `back` before the end of its span."""
+
+    counts: np.ndarray  # int64 [S]
+    positions: np.ndarray  # int64 [sum(counts)]: where each sample goes in its row
+    back: np.ndarray  # int64 [sum(counts)]: how far each sampled position is from the last
+
+    @staticmethod
+    def as_decodes(plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, starts, extend lens) of the plan's batch with each drafting request split
+        into one single-token request per position it computes, in the same token order."""
+        assert plan.num_drafts is not None
+        split = np.where(plan.num_drafts > 0, plan.extend_lens, 1).astype(np.int64)
+        first = np.cumsum(split) - split
+        within = np.arange(int(split.sum()), dtype=np.int64) - np.repeat(first, split)
+        single = np.repeat(plan.num_drafts > 0, split)
+        rows = np.repeat(plan.rows.astype(np.int64), split)
+        starts = np.repeat(plan.starts.astype(np.int64), split) + within
+        lens = np.where(single, 1, np.repeat(plan.extend_lens.astype(np.int64), split))
+        return rows, starts, lens
+
+    @staticmethod
+    def of(plan: StepPlan) -> _Checks | None:
+        drafts = plan.sampled_drafts
+        if not drafts.any():
+            return None
+        counts = drafts + 1
+        first = np.cumsum(counts) - counts
+        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
+        back = np.repeat(drafts, counts) - within
+        positions = np.repeat(plan.sampled_positions.astype(np.int64), counts) - back
+        return _Checks(counts, positions, back)
+
+    def accept(self, sampled: np.ndarray, drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the samples kept, as indices into `sampled`; how many each request keeps).
+        `drafts[j]` is the draft token sample j checks (-1 after a request's last draft):
+        a request keeps its samples up to and including the first that differs."""
+        miss = sampled != drafts
+        keep = np.zeros(len(sampled), dtype=np.int64)
+        num_tokens = np.zeros(len(self.counts), dtype=np.int32)
+        off = n_keep = 0
+        for i, c in enumerate(self.counts.tolist()):
+            a = int(np.argmax(miss[off : off + c]))  # the last sample always misses
+            keep[n_keep : n_keep + a + 1] = np.arange(off, off + a + 1)
+            num_tokens[i] = a + 1
+            n_keep += a + 1
+            off += c
+        return keep[:n_keep], num_tokens
