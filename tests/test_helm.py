@@ -569,6 +569,9 @@ def test_every_chart_value_reaches_the_application(helm_render):
         "max_running_reqs": 7,
         "max_prefill_tokens": 300,
         "itl_target_ms": 100.0,
+        "speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
         "max_seq_len": 999,
         "attention_backend": "torch",
         "seed": 5,
@@ -576,7 +579,7 @@ def test_every_chart_value_reaches_the_application(helm_render):
         "replicas": 3,
         "app_name": "app2",
         "compiled": False,
-        "overlap_schedule": True,
+        "overlap_schedule": False,  # (speculative_tokens needs it off)
         "worker_cpus": 2.0,
         "worker_threads": 3,
         "bind_threads": False,

@@ -138,6 +138,9 @@ each other and that would otherwise leave placement groups pending forever.
       "max_running_reqs" (int $e.maxRunningReqs)
       "max_prefill_tokens" (int $e.maxPrefillTokens)
       "itl_target_ms" $e.itlTargetMs
+      "speculative_tokens" (int $e.speculativeTokens)
+      "prompt_lookup_max" (int $e.promptLookupMax)
+      "prompt_lookup_min" (int $e.promptLookupMin)
       "dtype" $e.dtype
       "attention_backend" $e.attentionBackend
       "placement_strategy" $e.placementStrategy
