@@ -35,7 +35,8 @@ def test_runner_environment_binds_threads_and_preloads() -> None:
 
 
 @pytest.mark.skipif(not vllm_baseline.available(), reason="vLLM is not installed (optional)")
-def test_vllm_runs_the_same_workload() -> None:
+@pytest.mark.parametrize("drafts", [0, 2], ids=["plain", "ngram"])
+def test_vllm_runs_the_same_workload(drafts: int) -> None:
     from kvray.models.embedded import ensure_embedded_model
 
     model = str(ensure_embedded_model(progress=False))
@@ -45,9 +46,11 @@ def test_vllm_runs_the_same_workload() -> None:
         "bfloat16",
         prompts,
         [3, 6, 4],
-        vllm_baseline.VllmSettings(threads=2, enforce_eager=True),
+        vllm_baseline.VllmSettings(threads=2, enforce_eager=True, speculative_tokens=drafts),
     )
     assert out["output_tokens"] == 13
+    spec = out["engine_args"].get("speculative_config")
+    assert (spec or {}).get("num_speculative_tokens", 0) == drafts
     assert out["elapsed_s"] > 0 and out["version"]
     assert out["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
 

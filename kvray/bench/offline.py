@@ -2,13 +2,17 @@
 
     kvray bench offline [--num-requests 128] [--input-len 32 512] [--output-len 32 256]
                         [--baseline [hf] [vllm]] [--hf-batch 64] [--dtype bfloat16] [--json PATH]
+                        [--speculative-tokens 4] [--vllm-speculative]
                         [--device auto|cpu|cuda] [--random-model qwen3-0.6b|CONFIG.json]
 
 One seeded workload (random token-id prompts, fixed output lengths, EOS ignored) runs
 through `kvray.LLM` and through transformers `generate` in static batches of `--hf-batch`
 (left padded, each batch generating to its longest request), on the same model, dtype and
-threads. Throughput counts the tokens each request asked for. A third phase measures steady
-decode with `--decode-running` requests running and reports the model FLOP/s achieved
+threads. Throughput counts the tokens each request asked for. kvray decodes with
+`--speculative-tokens` n-gram drafts (4; 0: plain decoding; greedy either way), vLLM
+without them (its best setting on its CPU build) unless `--vllm-speculative` gives it the
+same. A third phase measures steady decode with `--decode-running` requests running and
+reports the model FLOP/s achieved
 (2 x (non-embedding parameters + LM head) per token) against the bf16 matmul peak measured
 in the same run (`decode_mfu`).
 
@@ -151,6 +155,7 @@ def run_vllm(
         threads=torch.get_num_threads(),
         max_num_seqs=max(args.num_requests, 256),
         max_num_batched_tokens=args.max_prefill_tokens,
+        speculative_tokens=args.speculative_tokens if args.vllm_speculative else 0,
     )
     print(f"vllm: {args.num_requests} requests in its own venv, {settings}", flush=True)
     out = vllm_baseline.run_offline(
@@ -162,10 +167,19 @@ def run_vllm(
     return {**_rates(wl, out["elapsed_s"]), **out}
 
 
+def _drafts_label(k: int) -> str:
+    return f"n-gram speculative, {k} drafts" if k else "no speculative decoding"
+
+
 def _vllm_label(vllm: dict[str, Any] | None) -> str:
     if vllm is None:
         return "vllm"
-    return f"vllm {vllm['version']} ({vllm['engine_args']['max_num_batched_tokens']}-token chunks)"
+    engine_args = vllm["engine_args"]
+    spec = engine_args.get("speculative_config") or {}
+    return (
+        f"vllm {vllm['version']} ({engine_args['max_num_batched_tokens']}-token chunks, "
+        f"{_drafts_label(spec.get('num_speculative_tokens', 0))})"
+    )
 
 
 def _rates(wl: Workload, elapsed: float) -> dict[str, float]:
@@ -177,7 +191,9 @@ def _rates(wl: Workload, elapsed: float) -> dict[str, float]:
 
 
 def steady_decode(llm: Any, running: int, prompt_len: int, steps: int, seed: int) -> float:
-    """Tokens/s of decode steps with `running` requests in the batch (prefill excluded)."""
+    """Output tokens/s of decode steps with `running` requests in the batch (prefill
+    excluded): the median over steps of tokens / seconds (with drafts, a step outputs a
+    token per request plus the drafts that held)."""
     from kvray import SamplingParams
 
     engine = llm.engine
@@ -185,22 +201,27 @@ def steady_decode(llm: Any, running: int, prompt_len: int, steps: int, seed: int
     # Early requests decode while later ones prefill: give every one enough budget to be
     # still running when the timed steps start.
     budget = engine.scheduler.config.max_prefill_tokens
+    per_step = 1 + engine.scheduler.config.speculative_tokens  # at most, with drafts
     sp = SamplingParams(
-        temperature=0, max_tokens=steps + 8 + -(-running * prompt_len // budget), ignore_eos=True
+        temperature=0,
+        max_tokens=(steps + 8) * per_step + -(-running * prompt_len // budget),
+        ignore_eos=True,
     )
     rids = [engine.add_request(p, sp) for p in wl.prompts]
     sched = engine.scheduler
     while sched.waiting or any(r.prefilling for r in sched.running):
         engine.step()
     times = []
+    rates = []
     for _ in range(steps):
         t = time.perf_counter()
         events = engine.step()
-        times.append(time.perf_counter() - t)
-        assert len(events) == running, "a decode step must sample every running request"
+        rates.append(len(events) / (time.perf_counter() - t))
+        # (more events than running: drafts held)
+        assert len(events) >= running, "a decode step must sample every running request"
     for rid in rids:
         engine.abort(rid)
-    return running / statistics.median(times)
+    return statistics.median(rates)
 
 
 _DEFAULTS = EngineConfig.model_fields  # the engine's own defaults, where the bench keeps them
@@ -246,6 +267,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--page-size", type=int, default=_DEFAULTS["page_size"].default)
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
+    ap.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=4,
+        help="kvray's n-gram draft tokens per greedy request and step (0: plain decoding)",
+    )
+    ap.add_argument(
+        "--vllm-speculative",
+        action="store_true",
+        help="give vLLM the same n-gram speculative decoding (on this CPU build it was "
+        "slower than without: off by default, its best setting)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -290,6 +323,7 @@ def _run(
         device=device.type,
         skip_tokenizer_init=not tokenizer,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        speculative_tokens=args.speculative_tokens,
     )
     path = str(llm.spec.model_path)
     wl = make_workload(
@@ -303,13 +337,22 @@ def _run(
     print(
         f"workload: {args.num_requests} requests, {wl.input_tokens} prompt tokens, "
         f"{wl.output_tokens} output tokens, {args.dtype} on {device} ({backend}), "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads, kvray {_drafts_label(args.speculative_tokens)}"
     )
     # Warm up (kernel builds, allocator): prefills, and decode batches small and large.
     warm = make_workload(min(args.num_requests, 64), (16, 48), (4, 8), llm.spec.vocab_size, 1)
     run_kvray(llm, warm)
+    stats = llm.engine.scheduler.stats
+    drafted, held = stats.draft_tokens, stats.accepted_draft_tokens
     kv = run_kvray(llm, wl)
+    kv["draft_tokens"] = stats.draft_tokens - drafted
+    kv["accepted_draft_tokens"] = stats.accepted_draft_tokens - held
     print(f"kvray: {kv['output_tok_s']:.1f} output tok/s in {kv['elapsed_s']:.1f} s")
+    if kv["draft_tokens"]:
+        print(
+            f"kvray drafts: {kv['accepted_draft_tokens']} of {kv['draft_tokens']} held "
+            f"({kv['accepted_draft_tokens'] / kv['draft_tokens']:.0%})"
+        )
 
     mc = llm.spec.model_config
     worker_model = llm.engine.worker.model
@@ -329,7 +372,8 @@ def _run(
     if "vllm" in baselines:
         vllm = run_vllm(path, wl, args, device)
     hf = run_hf(path, wl, dtype, args.hf_batch, device) if "hf" in baselines else None
-    rows = [["kvray", kv["output_tok_s"], kv["total_tok_s"], kv["elapsed_s"]]]
+    kvray = f"kvray ({_drafts_label(args.speculative_tokens)})"
+    rows = [[kvray, kv["output_tok_s"], kv["total_tok_s"], kv["elapsed_s"]]]
     for name, base in ((f"hf generate (batch {args.hf_batch})", hf), (_vllm_label(vllm), vllm)):
         if base is not None:
             rows.append([name, base["output_tok_s"], base["total_tok_s"], base["elapsed_s"]])
@@ -364,6 +408,14 @@ def _run(
         "vllm_output_tok_s": vllm["output_tok_s"] if vllm else None,
         "vllm_output_speedup": kv["output_tok_s"] / vllm["output_tok_s"] if vllm else None,
         "vllm_version": vllm["version"] if vllm else None,
+        "vllm_speculative_tokens": (
+            (vllm["engine_args"].get("speculative_config") or {}).get("num_speculative_tokens", 0)
+            if vllm
+            else None
+        ),
+        "speculative_tokens": args.speculative_tokens,
+        "draft_tokens": kv["draft_tokens"],
+        "accepted_draft_tokens": kv["accepted_draft_tokens"],
         "decode_tok_s": decode_tok_s,
         "decode_mfu": mfu,
         "matmul_peak_tflops": peak / 1e12,

@@ -39,6 +39,11 @@ class VllmSettings:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     enforce_eager: bool = False  # skip torch.compile (faster start, slower steps): tests
+    # vLLM's n-gram speculative decoding with this many draft tokens (0: off), matching
+    # the prompt-lookup bounds given
+    speculative_tokens: int = 0
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
 
 
 def find_python(explicit: str | None = None) -> Path:
@@ -126,6 +131,13 @@ def run_offline(
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "enforce_eager": settings.enforce_eager,
     }
+    if settings.speculative_tokens:
+        spec["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": settings.speculative_tokens,
+            "prompt_lookup_max": settings.prompt_lookup_max,
+            "prompt_lookup_min": settings.prompt_lookup_min,
+        }
     env = runner_env(interpreter, settings)
     with tempfile.TemporaryDirectory(prefix="kvray-vllm-") as tmp:
         workload, result = Path(tmp, "workload.json"), Path(tmp, "result.json")

@@ -35,6 +35,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "disable_log_stats": True,
         "enforce_eager": bool(spec.get("enforce_eager", False)),
     }
+    if spec.get("speculative_config"):
+        engine_args["speculative_config"] = spec["speculative_config"]
     llm = LLM(**engine_args)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
 
