@@ -200,6 +200,7 @@ class Req:
     num_computed_prefill: int = 0  # prompt tokens this request actually computed (not cached)
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache at admission
     drafted: int = 0  # draft tokens its step in flight checks (speculative decoding)
+    draft_limit: int = 0  # most draft tokens its next step may check (0: the engine's)
     stop_ids: frozenset[int] = frozenset()  # token ids that end this request (EOS + stop ids)
     seed: int = 0  # the sampler's seed: sampling.seed, or one the engine drew for it
     arrival_time: float = field(default_factory=time.monotonic)

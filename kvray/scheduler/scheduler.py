@@ -320,7 +320,7 @@ class Scheduler:
             or sp.structured_outputs is not None
         ):
             return []
-        k = min(k, req.max_device_len - req.device_len - 1)
+        k = min(k, req.draft_limit or k, req.max_device_len - req.device_len - 1)
         if k <= 0:
             return []
         index = self._ngrams.get(req.rid)
@@ -495,6 +495,12 @@ class Scheduler:
         """A drafting step's outcome: positions of rejected drafts no longer count as
         computed, and pages that only they used go back to the free list."""
         self.stats.accepted_draft_tokens += accepted
+        # The next draft: one longer after a draft that held whole, one past what held
+        # after one that missed (checked drafts that miss are rows computed for nothing).
+        if accepted == drafted:
+            req.draft_limit = drafted + 1
+        else:
+            req.draft_limit = accepted + 1
         rejected = drafted - accepted
         if rejected == 0 or req.status is not ReqStatus.RUNNING:
             return  # (a retracted request holds no pages; it recomputes what it keeps)
