@@ -1,7 +1,7 @@
 """Fault drills against the kvray Serve app with requests in flight, over real HTTP.
 
-The app serves a tiny random Llama at TP 2 (two worker actors in one placement group), so
-the drills take seconds: (a) one TP worker is killed mid-stream and every request still
+The app serves a tiny random Llama at TP 2 (two worker actors in one placement group), with
+n-gram speculative decoding, so the drills take seconds: (a) one TP worker is killed mid-stream and every request still
 completes with exactly the tokens it would have had (the engine replays); (b) the
 scheduler actor is killed: in-flight requests end with a clear 503 (an error event on a
 stream), /health runs a real step and says 503 while no engine can serve, Serve replaces
@@ -46,6 +46,7 @@ def drill_server(ray_session: None, tiny_checkpoints: dict[str, Any]) -> Iterato
         served_model_name="tiny",
         app_name=APP,
         health_timeout_s=5.0,
+        speculative_tokens=4,  # replays keep the tokens whatever drafts were in flight
     ).resolved()
     with running_app(settings) as url:
         yield url
@@ -126,7 +127,9 @@ def test_killing_a_tp_worker_loses_no_request(drill_server: str) -> None:
             ch["index"]: ch["text"] for ch in c.post("/v1/completions", json=body).json()["choices"]
         }
     (scheduler,) = live_schedulers()
-    recoveries = ray.get(scheduler.stats.remote())["recoveries"]
+    stats = ray.get(scheduler.stats.remote())
+    recoveries = stats["recoveries"]
+    assert stats["accepted_draft_tokens"] > 0  # the streams below run with drafts held
 
     streams = start_streams(drill_server)
     ray.get(scheduler.kill_worker.remote(1))

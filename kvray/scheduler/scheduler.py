@@ -191,7 +191,7 @@ class Scheduler:
         req.table_idx = -1
         req.cached_len = req.device_len = 0
         req.cache_handle = None
-        req.pending = 0
+        req.pending = req.drafted = 0  # (the step they were for is lost)
         req.status = ReqStatus.WAITING
         self.reqs[req.rid] = req
         self.waiting.append(req)
