@@ -204,6 +204,17 @@ class EngineCollector(Collector):
             "fetched from another replica).",
             total("prefill_tokens"),
         )
+        # n-gram speculative decoding (--speculative-tokens), as vLLM names them.
+        yield counter(
+            "spec_decode_num_draft_tokens",
+            "Draft tokens checked (speculative decoding).",
+            total("draft_tokens"),
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens that held: each one a decode step saved for its request.",
+            total("accepted_draft_tokens"),
+        )
         # Prefixes shared between replicas (--share-kv: kvray.cluster.kv_transfer).
         yield counter(
             "kv_fetches",

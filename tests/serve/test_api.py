@@ -611,6 +611,8 @@ COUNTERS = (
     "num_preemptions",
     "request_success",
     "num_aborted_requests",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
 
 
