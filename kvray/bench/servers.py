@@ -9,14 +9,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 from kvray.workers import host_memory
 
 
-def launch_kvray(model: str | None, dtype: str, port: int) -> subprocess.Popen[bytes]:
-    """`kvray serve` on 127.0.0.1:port in a new session (a fresh local Ray cluster)."""
+def launch_kvray(
+    model: str | None, dtype: str, port: int, extra: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
+    """`kvray serve` on 127.0.0.1:port in a new session (a fresh local Ray cluster), with
+    `extra` flags."""
     cmd = [sys.executable, "-m", "kvray.deploy.cli", "serve", "--port", str(port)]
-    cmd += ["--dtype", dtype] + (["--model", model] if model else [])
+    cmd += ["--dtype", dtype] + (["--model", model] if model else []) + list(extra)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     # Its Ray cluster's own processes keep the system allocator; its CPU workers get
     # tcmalloc from the engine (host_memory).

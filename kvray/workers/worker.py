@@ -5,6 +5,10 @@ StepPlan to it, runs the model over the step's tokens, and samples. Every rank c
 same sampled tokens (same logits after the all-gather, same seeds), and writes them into
 its own token pool, so the next decode step needs no input ids.
 
+A step with speculative drafts (`StepPlan.num_drafts`) samples at every position a
+drafting request checks and keeps, per request, the samples up to the first that differs
+from its draft (`_Checks`); the result then says how many tokens each request got.
+
 A constrained request's grammar matcher lives here too, next to the sampler
 (`kvray/grammar/matcher.py` says why): the worker masks its row's logits before sampling
 and advances the matcher on the token it samples, so the matcher never lags, whatever the
@@ -23,7 +27,7 @@ import torch
 from kvray.attention import create_attention_backend
 from kvray.attention.base import AttnMetadata
 from kvray.config import EngineConfig
-from kvray.core import StepPlan, StepResult, table_width
+from kvray.core import StepPlan, StepResult, flat_positions, table_width
 from kvray.grammar import GrammarRows, compiler_for
 from kvray.kvcache import MHAKVCache, create_kvcache_pool
 from kvray.models import TPGroup, load_model
@@ -208,8 +212,7 @@ class _Checks:
         into one single-token request per position it computes, in the same token order."""
         assert plan.num_drafts is not None
         split = np.where(plan.num_drafts > 0, plan.extend_lens, 1).astype(np.int64)
-        first = np.cumsum(split) - split
-        within = np.arange(int(split.sum()), dtype=np.int64) - np.repeat(first, split)
+        within = flat_positions(np.zeros_like(split), split)  # 0, 1, ... within each part
         single = np.repeat(plan.num_drafts > 0, split)
         rows = np.repeat(plan.rows.astype(np.int64), split)
         starts = np.repeat(plan.starts.astype(np.int64), split) + within
@@ -222,8 +225,7 @@ class _Checks:
         if not drafts.any():
             return None
         counts = drafts + 1
-        first = np.cumsum(counts) - counts
-        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
+        within = flat_positions(np.zeros_like(counts), counts)
         back = np.repeat(drafts, counts) - within
         positions = np.repeat(plan.sampled_positions.astype(np.int64), counts) - back
         return _Checks(counts, positions, back)
