@@ -14,8 +14,9 @@ wall-clocking every engine step and, inside it, every call of the hot op familie
     fused         the C++ norm / RoPE / SiLU-mul kernels (`kvray.models.fused`)
     store_kv      writing each layer's K/V into the pool (`kvray.kvcache.cpu_store`)
 Steps are split into those that compute prompt tokens ("prefill", decodes riding along)
-and decode-only steps (with any speculative drafts they check), whose times are also binned by batch size. A CPU computes eagerly,
-so wall clocks around calls measure them; wrapping costs a few microseconds per call.
+and decode-only steps (with any speculative drafts they check), whose times are also binned
+by batch size. A CPU computes eagerly, so wall clocks around calls measure them; wrapping
+costs a few microseconds per call.
 
 With --steps it measures instead what `scripts/profile_vllm_steps.py` measures of vLLM, the
 same way, unprofiled (medians of repeats; random token-id prompts, greedy, EOS ignored):

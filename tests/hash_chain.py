@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from kvray.core import StepPlan, StepResult
 from kvray.workers.mirror import PlanMirror

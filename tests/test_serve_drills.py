@@ -1,11 +1,12 @@
 """Fault drills against the kvray Serve app with requests in flight, over real HTTP.
 
 The app serves a tiny random Llama at TP 2 (two worker actors in one placement group), with
-n-gram speculative decoding, so the drills take seconds: (a) one TP worker is killed mid-stream and every request still
-completes with exactly the tokens it would have had (the engine replays); (b) the
-scheduler actor is killed: in-flight requests end with a clear 503 (an error event on a
-stream), /health runs a real step and says 503 while no engine can serve, Serve replaces
-the engine replica, and new requests succeed once it is back.
+n-gram speculative decoding, so the drills take seconds: (a) one TP worker is killed
+mid-stream and every request still completes with exactly the tokens it would have had
+(the engine replays); (b) the scheduler actor is killed: in-flight requests end with a
+clear 503 (an error event on a stream), /health runs a real step and says 503 while no
+engine can serve, Serve replaces the engine replica, and new requests succeed once it is
+back.
 """
 
 from __future__ import annotations

@@ -126,3 +126,26 @@ def test_aborting_a_drafting_request_frees_its_pages(tiny_checkpoints) -> None:
         engine.abort(rid)
     while engine.has_work:
         engine.step()
+
+
+def test_a_stop_string_cuts_the_text_where_drafts_hold(tiny_checkpoints) -> None:
+    """The front end sees a step's tokens one by one: a stop string completed late in the
+    output, where drafts hold (a step gives several tokens), cuts the text there, as it
+    does one token a step."""
+    path, hf = tiny_checkpoints["llama"]
+    llm = new_llm(path, page_size=4, num_pages=1024, speculative_tokens=4)
+    prompt = PROMPTS[-2]
+    ref = hf_greedy(hf, prompt, MAX_NEW)
+    tok = llm.tokenizer
+    text = tok.decode(ref, skip_special_tokens=True)
+    for k in range(24, MAX_NEW - 2):  # a stop string of tokens k and k + 1, first seen there
+        at = len(tok.decode(ref[:k], skip_special_tokens=True))
+        stop = text[at : len(tok.decode(ref[: k + 2], skip_special_tokens=True))]
+        if len(stop) >= 2 and text.find(stop) == at:
+            break
+    else:
+        pytest.fail(f"no usable stop string in {text!r}")
+    (out,) = llm.generate(prompt, greedy(MAX_NEW, stop=[stop]))
+    assert out.finish_reason == "stop"
+    assert out.text == text[:at]
+    assert llm.engine.scheduler.stats.accepted_draft_tokens > 0

@@ -211,7 +211,6 @@ def steady_decode(llm: Any, running: int, prompt_len: int, steps: int, seed: int
     sched = engine.scheduler
     while sched.waiting or any(r.prefilling for r in sched.running):
         engine.step()
-    times = []
     rates = []
     for _ in range(steps):
         t = time.perf_counter()

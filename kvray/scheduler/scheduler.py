@@ -263,7 +263,9 @@ class Scheduler:
                             self._retract(req)  # the newest left, and it cannot grow
                             continue
                     adder.committed_pages += 1
-                draft = self._draft(req, adder.pages_left)
+                # Drafts take only pages that no later running request needs for its
+                # next token: a draft never makes another request retract.
+                draft = self._draft(req, adder.pages_left - (len(self.running) - i - 1))
                 if draft:
                     adder.committed_pages += div_ceil(req.device_len + len(draft), ps) - div_ceil(
                         req.device_len, ps
@@ -330,9 +332,11 @@ class Scheduler:
             )
         draft = index.draft(req.input_ids, k)
         ps = self.page_size
-        while draft and div_ceil(req.device_len + len(draft), ps) - div_ceil(
-            req.device_len, ps
-        ) > pages_left:
+        while (
+            draft
+            and div_ceil(req.device_len + len(draft), ps) - div_ceil(req.device_len, ps)
+            > pages_left
+        ):
             draft.pop()
         return draft
 

@@ -120,7 +120,8 @@ class ModelWorker:
         if checks is not None:
             # A drafting request's positions attend as that many decodes, each over the
             # keys up to itself: the same kernels and sums as decoding them one by one.
-            rows, starts, lens = checks.as_decodes(plan)
+            split_rows, starts, lens = checks.as_decodes(plan)
+            rows = torch.from_numpy(split_rows).to(self.device)
         meta = AttnMetadata.build(
             self.mirror.page_table,
             rows,
