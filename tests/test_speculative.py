@@ -149,3 +149,18 @@ def test_a_stop_string_cuts_the_text_where_drafts_hold(tiny_checkpoints) -> None
     assert out.finish_reason == "stop"
     assert out.text == text[:at]
     assert llm.engine.scheduler.stats.accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_drafts_on_the_other_attention_backends(tiny_checkpoints, backend: str) -> None:
+    """The checked positions attend as decodes on every backend: torch's SDPA, and the
+    Triton kernel that GPUs run (here under its interpreter)."""
+    path, hf = tiny_checkpoints["qwen3"]
+    prompts = PROMPTS[-2:]
+    want = [hf_greedy(hf, p, 24) for p in prompts]
+    llm = new_llm(
+        path, page_size=4, num_pages=1024, speculative_tokens=4, attention_backend=backend
+    )
+    outs = llm.generate(prompts, greedy(24))
+    assert_same_tokens([o.token_ids for o in outs], want, f"drafts on {backend} vs HF")
+    assert llm.engine.scheduler.stats.accepted_draft_tokens > 0
