@@ -32,7 +32,11 @@ def _check_lookup(config: Any) -> Any:
             f"prompt_lookup_min ({config.prompt_lookup_min}) must not exceed "
             f"prompt_lookup_max ({config.prompt_lookup_max})"
         )
-    if getattr(config, "overlap_schedule", None) and config.speculative_tokens:
+    return config
+
+
+def _check_drafts_without_overlap(config: EngineConfig) -> EngineConfig:
+    if config.overlap_schedule and config.speculative_tokens:
         raise ValueError(
             "speculative_tokens needs overlap_schedule off: a request's drafts come from "
             "its tokens, which must all be known when its step is planned (leave "
@@ -154,6 +158,7 @@ class EngineConfig(BaseModel):
     )
 
     _lookup = model_validator(mode="after")(_check_lookup)
+    _drafts = model_validator(mode="after")(_check_drafts_without_overlap)
 
     def scheduler_config(self, num_pages: int, max_seq_len: int) -> SchedulerConfig:
         shared = {name: getattr(self, name) for name in SchedulerConfig.shared_fields()}

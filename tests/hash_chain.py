@@ -71,6 +71,7 @@ class HashChainExecutor:
         batch = self.mirror.apply(plan)
         tokens: list[int] = []
         counts: list[int] = []
+        at: list[tuple[int, int]] = []  # (row, position) where each kept token goes
         drafts = plan.num_drafts if plan.num_drafts is not None else np.zeros(plan.batch_size)
         if batch is not None:
             page_table, token_pool = self.page_table, self.mirror.token_pool.numpy()
@@ -86,13 +87,16 @@ class HashChainExecutor:
                     if plan.sample[i] and p >= checked:
                         out = _next_token(h, tok, self.vocab_size)
                         tokens.append(out)
+                        at.append((row, p + 1))
                         kept += 1
                         if p + 1 < start + n and out == int(token_pool[row, p + 1]):
                             continue  # the draft held: check the next one
-                        token_pool[row, p + 1] = out  # (the mirror's pool, for next step)
                         break
                 if plan.sample[i]:
                     counts.append(kept)
+            if at:
+                rows, positions = np.asarray(at, dtype=np.int64).T
+                self.mirror.record_tokens(rows, positions, np.asarray(tokens, dtype=np.int64))
         return StepResult(
             plan.step_id,
             np.asarray(tokens, dtype=np.int32),

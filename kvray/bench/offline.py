@@ -171,15 +171,17 @@ def _drafts_label(k: int) -> str:
     return f"n-gram speculative, {k} drafts" if k else "no speculative decoding"
 
 
+def _vllm_drafts(vllm: dict[str, Any]) -> int:
+    """The n-gram draft tokens the vLLM run had (0: none)."""
+    spec = vllm["engine_args"].get("speculative_config") or {}
+    return int(spec.get("num_speculative_tokens", 0))
+
+
 def _vllm_label(vllm: dict[str, Any] | None) -> str:
     if vllm is None:
         return "vllm"
-    engine_args = vllm["engine_args"]
-    spec = engine_args.get("speculative_config") or {}
-    return (
-        f"vllm {vllm['version']} ({engine_args['max_num_batched_tokens']}-token chunks, "
-        f"{_drafts_label(spec.get('num_speculative_tokens', 0))})"
-    )
+    chunks = vllm["engine_args"]["max_num_batched_tokens"]
+    return f"vllm {vllm['version']} ({chunks}-token chunks, {_drafts_label(_vllm_drafts(vllm))})"
 
 
 def _rates(wl: Workload, elapsed: float) -> dict[str, float]:
@@ -407,11 +409,7 @@ def _run(
         "vllm_output_tok_s": vllm["output_tok_s"] if vllm else None,
         "vllm_output_speedup": kv["output_tok_s"] / vllm["output_tok_s"] if vllm else None,
         "vllm_version": vllm["version"] if vllm else None,
-        "vllm_speculative_tokens": (
-            (vllm["engine_args"].get("speculative_config") or {}).get("num_speculative_tokens", 0)
-            if vllm
-            else None
-        ),
+        "vllm_speculative_tokens": _vllm_drafts(vllm) if vllm else None,
         "speculative_tokens": args.speculative_tokens,
         "draft_tokens": kv["draft_tokens"],
         "accepted_draft_tokens": kv["accepted_draft_tokens"],

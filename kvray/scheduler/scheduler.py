@@ -234,7 +234,7 @@ class Scheduler:
         ps = self.page_size
         adder = PrefillAdder(self.cache, self.table, self.budget.tokens(self.num_decoding))
         batch: list[tuple[Req, int, bool]] = []  # (request, tokens, is_prefill)
-        drafts: dict[int, list[int]] = {}  # decoding request -> its draft tokens (maybe none)
+        drafts: dict[int, list[int]] = {}  # drafting request -> its draft tokens
         retracted = False
 
         # 1. Running requests, oldest first: one decode token each, or the next prefill
@@ -267,11 +267,9 @@ class Scheduler:
                 # next token: a draft never makes another request retract.
                 draft = self._draft(req, adder.pages_left - (len(self.running) - i - 1))
                 if draft:
-                    adder.committed_pages += div_ceil(req.device_len + len(draft), ps) - div_ceil(
-                        req.device_len, ps
-                    )
+                    adder.committed_pages += self._draft_pages(req, len(draft))
+                    drafts[req.rid] = draft
                 batch.append((req, 1 + len(draft), False))
-                drafts[req.rid] = draft
             i += 1
 
         # 2. Admit waiting requests in order (retracted ones first), unless this step just
@@ -331,14 +329,14 @@ class Scheduler:
                 self.config.prompt_lookup_min, self.config.prompt_lookup_max
             )
         draft = index.draft(req.input_ids, k)
-        ps = self.page_size
-        while (
-            draft
-            and div_ceil(req.device_len + len(draft), ps) - div_ceil(req.device_len, ps)
-            > pages_left
-        ):
+        while draft and self._draft_pages(req, len(draft)) > pages_left:
             draft.pop()
         return draft
+
+    def _draft_pages(self, req: Req, num_drafts: int) -> int:
+        """New pages a decoding request's drafts need beyond its next token's position."""
+        ps = self.page_size
+        return div_ceil(req.device_len + num_drafts, ps) - div_ceil(req.device_len, ps)
 
     def _build_plan(
         self,

@@ -83,15 +83,10 @@ class PlanMirror:
         self.token_pool[rows, pos] = token_ids.to(self.device, torch.int64)
 
     def record_tokens(self, rows: np.ndarray, positions: np.ndarray, ids: np.ndarray) -> None:
-        """token_pool[rows[j], positions[j]] = ids[j] (a drafting step's kept tokens)."""
+        """token_pool[rows[j], positions[j]] = ids[j] (tokens sampled at those positions)."""
         self.token_pool[self._tensor(rows), self._tensor(positions)] = self._tensor(ids)
 
-    def drafts(self, plan: StepPlan, positions: np.ndarray) -> np.ndarray:
-        """The draft token each checked sample of `plan` is compared with: the one at its
-        position (-1 where a request's drafts end: nothing to compare with). int64 host."""
-        drafts = plan.sampled_drafts
-        counts = drafts + 1
-        rows = np.repeat(plan.sampled_rows.astype(np.int64), counts)
+    def tokens_at(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """token_pool[rows[j], positions[j]] for every j (int64, on the host)."""
         out: np.ndarray = self.token_pool[self._tensor(rows), self._tensor(positions)].cpu().numpy()
-        out[np.cumsum(counts) - 1] = -1
         return out

@@ -151,12 +151,11 @@ class ModelWorker:
         top_k = max((p.logprobs or 0) for p, _ in params)
         sampled_rows = plan.sampled_rows.tolist()
         positions = plan.sampled_positions.tolist()
+        logit_rows = sampled_rows
         if checks is not None:  # one sample per checked position
             params = [p for p, n in zip(params, checks.counts, strict=True) for _ in range(n)]
             positions = checks.positions.tolist()
-            logit_rows = np.repeat(plan.sampled_rows, checks.counts).tolist()
-        else:
-            logit_rows = sampled_rows
+            logit_rows = checks.rows.tolist()
         out = sample_device(
             logits,
             [p for p, _ in params],
@@ -166,30 +165,23 @@ class ModelWorker:
             with_logprobs=any(p.logprobs is not None for p, _ in params),
             token_bitmask=self.grammar.token_bitmask(logit_rows),
         )
+        host = out.numpy()
+        keep: np.ndarray | slice = slice(None)  # the samples the result keeps
+        num_tokens: np.ndarray | None = None
         if checks is None:
             self.mirror.record_sampled(plan, out.token_ids)
-            host = out.numpy()
-            self.grammar.advance(sampled_rows, host.token_ids.tolist())
-            return StepResult(
-                plan.step_id,
-                host.token_ids,
-                host.logprobs,
-                host.top_ids,
-                host.top_logprobs,
-                compute_s=time.perf_counter() - start,
+            last_ids = host.token_ids
+        else:
+            drafts = self.mirror.tokens_at(checks.rows, checks.positions)
+            keep, num_tokens = checks.accept(host.token_ids, drafts)
+            self.mirror.record_tokens(
+                checks.rows[keep], checks.positions[keep], host.token_ids[keep]
             )
-        host = out.numpy()
-        drafts = self.mirror.drafts(plan, checks.positions)
-        keep, num_tokens = checks.accept(host.token_ids, drafts)
-        kept = host.token_ids[keep]
-        self.mirror.record_tokens(
-            np.repeat(plan.sampled_rows, checks.counts)[keep], checks.positions[keep], kept
-        )
-        last = np.cumsum(num_tokens) - 1
-        self.grammar.advance(sampled_rows, kept[last].tolist())
+            last_ids = host.token_ids[keep][np.cumsum(num_tokens) - 1]
+        self.grammar.advance(sampled_rows, last_ids.tolist())
         return StepResult(
             plan.step_id,
-            kept,
+            host.token_ids[keep],
             None if host.logprobs is None else host.logprobs[keep],
             None if host.top_ids is None else host.top_ids[keep],
             None if host.top_logprobs is None else host.top_logprobs[keep],
@@ -204,6 +196,7 @@ class _Checks:
     computed positions (its drafts + 1), `back` before the end of its span."""
 
     counts: np.ndarray  # int64 [S]
+    rows: np.ndarray  # int64 [sum(counts)]: the row of each sample
     positions: np.ndarray  # int64 [sum(counts)]: where each sample goes in its row
     back: np.ndarray  # int64 [sum(counts)]: how far each sampled position is from the last
 
@@ -228,14 +221,17 @@ class _Checks:
         counts = drafts + 1
         within = flat_positions(np.zeros_like(counts), counts)
         back = np.repeat(drafts, counts) - within
+        rows = np.repeat(plan.sampled_rows.astype(np.int64), counts)
         positions = np.repeat(plan.sampled_positions.astype(np.int64), counts) - back
-        return _Checks(counts, positions, back)
+        return _Checks(counts, rows, positions, back)
 
     def accept(self, sampled: np.ndarray, drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the samples kept, as indices into `sampled`; how many each request keeps).
-        `drafts[j]` is the draft token sample j checks (-1 after a request's last draft):
-        a request keeps its samples up to and including the first that differs."""
+        `drafts[j]` is the token at sample j's position, the draft it checks (after a
+        request's last draft there is none): a request keeps its samples up to and
+        including the first that differs."""
         miss = sampled != drafts
+        miss[self.back == 0] = True  # a request's last sample checks no draft
         keep = np.zeros(len(sampled), dtype=np.int64)
         num_tokens = np.zeros(len(self.counts), dtype=np.int32)
         off = n_keep = 0
