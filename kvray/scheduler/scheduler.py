@@ -235,6 +235,7 @@ class Scheduler:
         adder = PrefillAdder(self.cache, self.table, self.budget.tokens(self.num_decoding))
         batch: list[tuple[Req, int, bool]] = []  # (request, tokens, is_prefill)
         drafts: dict[int, list[int]] = {}  # drafting request -> its draft tokens
+        speculative = self.config.speculative_tokens > 0
         retracted = False
 
         # 1. Running requests, oldest first: one decode token each, or the next prefill
@@ -263,13 +264,16 @@ class Scheduler:
                             self._retract(req)  # the newest left, and it cannot grow
                             continue
                     adder.committed_pages += 1
-                # Drafts take only pages that no later running request needs for its
-                # next token: a draft never makes another request retract.
-                draft = self._draft(req, adder.pages_left - (len(self.running) - i - 1))
-                if draft:
-                    adder.committed_pages += self._draft_pages(req, len(draft))
-                    drafts[req.rid] = draft
-                batch.append((req, 1 + len(draft), False))
+                tokens = 1
+                if speculative:
+                    # Drafts take only pages that no later running request needs for its
+                    # next token: a draft never makes another request retract.
+                    draft = self._draft(req, adder.pages_left - (len(self.running) - i - 1))
+                    if draft:
+                        adder.committed_pages += self._draft_pages(req, len(draft))
+                        drafts[req.rid] = draft
+                        tokens += len(draft)
+                batch.append((req, tokens, False))
             i += 1
 
         # 2. Admit waiting requests in order (retracted ones first), unless this step just
@@ -313,8 +317,7 @@ class Scheduler:
         k = self.config.speculative_tokens
         sp = req.sampling
         if (
-            k == 0
-            or req.pending
+            req.pending
             or not sp.greedy
             or sp.logprobs is not None
             or sp.structured_outputs is not None
@@ -382,7 +385,7 @@ class Scheduler:
                 # the next step on can share them.
                 self.cache.cache_req(req, finished=False)
             else:
-                draft = drafts.get(req.rid)
+                draft = drafts.get(req.rid) if drafts else None
                 if draft:
                     # Its last token (the workers hold it) and the drafts after it.
                     s = req.cached_len
@@ -403,9 +406,11 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         self.stats.steps += 1
-        num_prefills = int(sum(1 for _, _, is_prefill in batch if is_prefill))
+        # A drafting decode's fill is its last token and its drafts; a prompt chunk's, itself.
+        drafting = int(np.count_nonzero(num_drafts))
+        num_prefills = int(np.count_nonzero(fill_lens)) - drafting
         # The cost model counts checked drafts as prompt tokens: both are extra rows.
-        extra = int(ext.sum()) - (len(batch) - num_prefills)
+        extra = int(fill_lens.sum()) - drafting
         self._shapes[step_id] = (len(batch) - num_prefills, extra)
         if sampled:
             self._inflight[step_id] = sampled
