@@ -320,7 +320,11 @@ def test_random_sequences_keep_every_invariant(ps, policy, data):
                 prompts[next_rid] = (prompt, sp)
             next_rid += 1
         elif op == "step":
+            prefilled = sched.stats.prefill_tokens
             plan = sched.step()
+            if plan is not None and sched.stats.prefill_tokens > prefilled:
+                # a step that computes prompt tokens checks no drafts
+                assert plan.num_drafts is None or not plan.num_drafts.any()
             if plan is not None:
                 evicted_after_plan[plan.step_id] = sched.cache.evicted_pages
                 seconds = 1e-3 * (1 + int(plan.extend_lens.sum()))
@@ -401,3 +405,29 @@ def test_prefix_export_and_import_leases_keep_the_page_accounting():
     assert fetcher.is_idle_and_empty()
     holder.flush_cache()
     assert holder.is_idle_and_empty()
+
+
+def test_a_step_that_computes_prompt_tokens_checks_no_drafts():
+    """Every running stream's next token waits for a step with prompt tokens in it, the
+    longest kind; drafts would only add rows to it. The steps around it draft as usual."""
+    sched, ex = make(ps=4, speculative=4)
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    sched.add_request(0, [5, 6, 7] * 4, sp)
+    for _ in range(40):
+        plan = sched.step()
+        sched.process_result(ex.execute(plan))
+        if plan.num_drafts is not None and plan.num_drafts.any():
+            break
+    else:
+        raise AssertionError("request 0 never drafted")
+    sched.add_request(1, [9, 8, 7, 6, 5] * 3, sp)
+    prefilled = sched.stats.prefill_tokens
+    plan = sched.step()  # request 1's prompt beside request 0's decode
+    assert sched.stats.prefill_tokens == prefilled + 15
+    assert plan.num_drafts is None or not plan.num_drafts.any()
+    assert plan.extend_lens.tolist() == [1, 15]
+    sched.process_result(ex.execute(plan))
+    drafted = sched.stats.draft_tokens
+    outs = run_to_end(sched, ex)  # decodes only from here on: they draft again
+    assert sched.stats.draft_tokens > drafted
+    assert len(outs[1]) == 59  # its first token came from the prompt's step

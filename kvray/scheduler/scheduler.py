@@ -306,6 +306,14 @@ class Scheduler:
                 batch.append((req, chunk, True))
             self.waiting.extendleft(reversed(deferred))
 
+        # 3. A step that computes prompt tokens checks no drafts: every running stream's
+        #    next token and the prompt's first one wait for the whole step, the longest
+        #    there is, and drafts would only add rows to it (the pages they were counted
+        #    for stay free).
+        if drafts and any(is_prefill for _, _, is_prefill in batch):
+            drafts = {}
+            batch = [(r, n if p else 1, p) for r, n, p in batch]
+
         if not batch:
             return None
         return self._build_plan(batch, admitted, drafts)
