@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvray.config import EngineConfig
 from kvray.workers import host_memory
+
+_ENGINE = EngineConfig.model_fields  # kvray's own prompt-lookup bounds, for vLLM's drafts
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 VENV_DIR_NAME = ".venv-vllm"
@@ -39,11 +42,11 @@ class VllmSettings:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     enforce_eager: bool = False  # skip torch.compile (faster start, slower steps): tests
-    # vLLM's n-gram speculative decoding with this many draft tokens (0: off), matching
-    # the prompt-lookup bounds given
+    # vLLM's n-gram speculative decoding with this many draft tokens (0: off), with
+    # kvray's prompt-lookup bounds unless told otherwise
     speculative_tokens: int = 0
-    prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = _ENGINE["prompt_lookup_max"].default
+    prompt_lookup_min: int = _ENGINE["prompt_lookup_min"].default
 
 
 def find_python(explicit: str | None = None) -> Path:
