@@ -11,6 +11,7 @@ finish reasons, logprobs and usage, whole or chunk by chunk.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -180,14 +181,24 @@ class OpenAIServing:
     async def _completion_chunks(
         self, req: CompletionRequest, prepared: Prepared, gen: Generation, head: _Head
     ) -> AsyncGenerator[Completion, None]:
-        offsets = [0] * len(gen.outputs)  # of each choice's text sent so far
+        # Where each choice's next chunk starts, counted as the whole response's text_offset
+        # counts: over the texts of the tokens sent so far.
+        offsets = [0] * len(gen.outputs)
+        # Each choice's logprobs of tokens whose text is still held back (part of a
+        # character, a possible stop string): they go out with the next chunk sent, so the
+        # stream carries every token's logprob, as the whole response would.
+        held: list[list[Logprob]] = [[] for _ in gen.outputs]
         async with aclosing(gen.deltas()) as deltas:
             async for c in deltas:
                 d = c.delta
+                held[c.index] += d.logprobs
                 if not d.shows_something:
                     continue
+                d = dataclasses.replace(d, logprobs=tuple(held[c.index]))
+                held[c.index].clear()
                 choice = self._completion_choice(req, c.index, d, offsets[c.index])
-                offsets[c.index] += len(d.text)
+                if req.logprobs is not None:
+                    offsets[c.index] += sum(len(self._token_text(t)) for t, _, _ in d.logprobs)
                 yield Completion(**head, choices=[choice])
         if req.include_usage:
             yield Completion(**head, choices=[], usage=_usage(prepared, gen.outputs))
@@ -227,19 +238,23 @@ class OpenAIServing:
             first = ChatChunkChoice(index=i, delta=role, logprobs=None, finish_reason=None)
             yield ChatCompletionChunk(**head, choices=[first])
         replies = [ReplyStream(prepared.tools) for _ in gen.outputs]
+        held: list[list[Logprob]] = [[] for _ in gen.outputs]  # as in _completion_chunks
         async with aclosing(gen.deltas()) as deltas:
             async for c in deltas:
                 d = c.delta
+                held[c.index] += d.logprobs
                 if not d.shows_something:
                     continue
                 reply = replies[c.index]
                 text, calls = reply.push(d.text, d.finish_reason)
                 if not (text or calls or d.finish_reason):
                     continue  # held back (a tool call may be starting)
+                logprobs = self._chat_logprobs(held[c.index]) if req.logprobs else None
+                held[c.index].clear()
                 choice = ChatChunkChoice(
                     index=c.index,
                     delta=ChatDelta(content=text or None, tool_calls=calls or None),
-                    logprobs=self._chat_logprobs(d.logprobs) if req.logprobs else None,
+                    logprobs=logprobs,
                     finish_reason=_finish(d.finish_reason, reply.called),
                 )
                 yield ChatCompletionChunk(**head, choices=[choice])

@@ -286,6 +286,27 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert entry.top_logprobs[0].token == entry.token
         assert entry.logprob == pytest.approx(tops[0], abs=1e-4)
     assert "".join(e.token for e in content) == choice.message.content
+    # Streamed, every token's entry arrives once, also where text is held back (see
+    # test_completion_logprobs).
+    for stop in (None, [content[2].token + "\x07\x07"]):
+        streamed = []
+        for chunk in client.chat.completions.create(
+            model=MODEL,
+            messages=FRANCE,
+            temperature=0,
+            max_tokens=6,
+            logprobs=True,
+            top_logprobs=2,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
+            if chunk.choices and chunk.choices[0].logprobs is not None:
+                streamed += chunk.choices[0].logprobs.content
+        assert [e.token for e in streamed] == [e.token for e in content]
+        # (the prompt now comes from the prefix cache: the same sums to within rounding)
+        for got, want in zip(streamed, content, strict=True):
+            assert got.logprob == pytest.approx(want.logprob, abs=0.05)
     # logprobs are off unless asked for
     plain = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2)
     assert plain.choices[0].logprobs is None
@@ -314,13 +335,18 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
         assert off == offset
         offset += len(tok)
         assert len(top) == 1 and top.get(tok) == pytest.approx(v, abs=1e-4)
-    # streamed: the per-chunk logprobs add up to the same thing
-    toks, offs = [], []
-    for chunk in client.completions.create(**kw, stream=True):
-        if chunk.choices and chunk.choices[0].logprobs is not None:
-            toks += chunk.choices[0].logprobs.tokens
-            offs += chunk.choices[0].logprobs.text_offset
-    assert toks == lp.tokens and offs == lp.text_offset
+    # streamed: the per-chunk logprobs add up to the same thing, also where text is held
+    # back: a stop string that starts with the third token's text holds that token until
+    # the fourth shows it is no stop, and its logprob goes out with the fourth's.
+    for stop in (None, [lp.tokens[2] + "\x07\x07"]):
+        toks, offs, chunks = [], [], 0
+        for chunk in client.completions.create(**kw, stream=True, stop=stop):
+            if chunk.choices and chunk.choices[0].logprobs is not None:
+                toks += chunk.choices[0].logprobs.tokens
+                offs += chunk.choices[0].logprobs.text_offset
+                chunks += 1
+        assert toks == lp.tokens and offs == lp.text_offset
+        assert chunks == (6 if stop is None else 5)
 
 
 # -- malformed input ----------------------------------------------------------------------------
