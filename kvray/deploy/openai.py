@@ -90,7 +90,8 @@ class ChunkStream(Generic[Chunk]):
 
 
 def _finish(reason: FinishReason | None, called: bool = False) -> ResponseFinish | None:
-    """The response's finish reason; a reply that stopped on tool calls says so."""
+    """The response's finish reason; a reply that chose to stop on tool calls says so (a
+    forced named function is `stop`, as OpenAI and vLLM answer it)."""
     if called and reason is FinishReason.STOP:
         return "tool_calls"
     return None if reason is None else _FINISH[reason]
@@ -216,6 +217,7 @@ class OpenAIServing:
             return ChunkStream(self._chat_chunks(req, prepared, gen, head), gen)
         await gen.wait()
         choices = []
+        chose = req.tool_mode != "named"  # the model chose to call tools, if it called any
         for i, out in enumerate(gen.outputs):
             assert out.finish_reason is not None
             content, calls = prepared.tools.reply(out.text, out.finish_reason)
@@ -225,7 +227,7 @@ class OpenAIServing:
                     index=i,
                     message=message,
                     logprobs=self._chat_logprobs(out.logprobs) if req.logprobs else None,
-                    finish_reason=_finish(out.finish_reason, bool(calls)),
+                    finish_reason=_finish(out.finish_reason, chose and bool(calls)),
                 )
             )
         return ChatCompletion(**head, choices=choices, usage=_usage(prepared, gen.outputs))
@@ -238,6 +240,7 @@ class OpenAIServing:
             first = ChatChunkChoice(index=i, delta=role, logprobs=None, finish_reason=None)
             yield ChatCompletionChunk(**head, choices=[first])
         replies = [ReplyStream(prepared.tools) for _ in gen.outputs]
+        chose = req.tool_mode != "named"  # as in chat()
         held: list[list[Logprob]] = [[] for _ in gen.outputs]  # as in _completion_chunks
         async with aclosing(gen.deltas()) as deltas:
             async for c in deltas:
@@ -255,7 +258,7 @@ class OpenAIServing:
                     index=c.index,
                     delta=ChatDelta(content=text or None, tool_calls=calls or None),
                     logprobs=logprobs,
-                    finish_reason=_finish(d.finish_reason, reply.called),
+                    finish_reason=_finish(d.finish_reason, chose and reply.called),
                 )
                 yield ChatCompletionChunk(**head, choices=[choice])
         if req.include_usage:

@@ -249,7 +249,18 @@ def test_named_tool_choice_streams_argument_deltas(client: openai.OpenAI) -> Non
         args = "".join(d.function.arguments or "" for d in deltas)
         jsonschema.validate(json.loads(args), TIME["function"]["parameters"])
         finish = [ch.finish_reason for c in chunks for ch in c.choices if ch.index == index]
-        assert finish[-1] == "tool_calls"
+        assert finish[-1] == "stop"  # forced, not chosen: OpenAI and vLLM say stop
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=PARIS,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=0,
+        max_tokens=40,
+    )
+    (call,) = whole.choices[0].message.tool_calls
+    _args_valid(call, TIME)
+    assert whole.choices[0].finish_reason == "stop"
 
 
 def test_refused_specs_are_400_naming_the_field(http: httpx.Client) -> None:
