@@ -390,6 +390,13 @@ class _SamplingFields(_Request):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
 
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> Any:
+        if v is not None and "stream" in info.data and not info.data["stream"]:
+            raise ValueError("only applies to a streamed response (send stream: true)")
+        return v
+
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _no_penalty(cls, v: float | None) -> float | None:
@@ -446,7 +453,9 @@ class CompletionRequest(_SamplingFields):
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
-        n = info.data.get("n") or 1
+        if "n" not in info.data:
+            return v  # n itself is invalid, and its error is the one to report
+        n = info.data["n"] or 1
         if v is not None and v != n:
             raise ValueError(f"must equal n ({n}): kvray does not rank candidates, got {v}")
         return v
@@ -514,20 +523,25 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("tool_choice")
     @classmethod
     def _names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
-        names = [t.function.name for t in info.data.get("tools") or ()]
+        if "tools" not in info.data:
+            return choice  # tools itself is invalid, and its error is the one to report
+        names = [t.function.name for t in info.data["tools"] or ()]
+        if choice not in (None, "none") and not names:
+            shown = "a named function" if isinstance(choice, NamedToolChoice) else repr(choice)
+            raise ValueError(f"{shown} needs tools (send tools, or tool_choice 'none')")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(
                 f"names the function {choice.function.name!r}, which is not among tools "
-                f"({', '.join(names) or 'none given'})"
+                f"({', '.join(names)})"
             )
-        if choice == "required" and not names:
-            raise ValueError("'required' needs tools")
         return choice
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v and not info.data.get("logprobs"):
+        if "logprobs" not in info.data:
+            return v  # logprobs itself is invalid, and its error is the one to report
+        if v and not info.data["logprobs"]:
             raise ValueError("needs logprobs: true")
         return v
 
