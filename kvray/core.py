@@ -120,6 +120,10 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # also return this many top alternatives per token
+    # Text out (the front end's; the engine sees token ids only), as vLLM's fields: keep the
+    # stop string, or the stop token's text, that ended the request; show special tokens.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # Constrain the output to a grammar (None: free text). A constrained request ends on
     # one of its stop tokens once the grammar is complete.
     structured_outputs: StructuredOutputsParams | None = None
@@ -361,10 +365,12 @@ class TokenEvent:
         return self.finish_reason is not None
 
 
-def ended_on_stop_token(event: TokenEvent, sampling: SamplingParams) -> bool:
-    """The request ended on one of its own stop_token_ids: like vLLM, that token's text is
-    not output (EOS needs no such rule: its text is a special token, skipped anyway)."""
-    return event.finish_reason is FinishReason.STOP and event.token_id in sampling.stop_token_ids
+def ended_on_stop_token(event: TokenEvent) -> bool:
+    """The request ended on a stop token (EOS or one of its stop_token_ids): the engine
+    finishes with `stop` and a token for no other reason (a stop string's finish is an
+    abort, without one). Like vLLM, that token's text is not output unless
+    include_stop_str_in_output."""
+    return event.finish_reason is FinishReason.STOP and event.token_id is not None
 
 
 @dataclass(frozen=True)

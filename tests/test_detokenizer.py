@@ -33,9 +33,11 @@ def encode(tok, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def stream(tok, prompt: str, ids: list[int], stop=()) -> tuple[IncrementalDetokenizer, list[str]]:
+def stream(
+    tok, prompt: str, ids: list[int], stop=(), include: bool = False
+) -> tuple[IncrementalDetokenizer, list[str]]:
     """Push every id; returns the detokenizer and every delta, the flush's last."""
-    d = IncrementalDetokenizer(tok, encode(tok, prompt), stop)
+    d = IncrementalDetokenizer(tok, encode(tok, prompt), stop, include_stop=include)
     deltas = [d.push(t) for t in ids]
     deltas.append(d.flush())
     return d, deltas
@@ -63,6 +65,9 @@ def test_special_tokens_are_skipped(tok) -> None:
     ids = encode(tok, "Hi 🎉") + [tok.convert_tokens_to_ids("<|im_end|>")] + encode(tok, " ok")
     d, deltas = stream(tok, "Q:", ids)
     assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True) == "Hi 🎉 ok"
+    shown = IncrementalDetokenizer(tok, encode(tok, "Q:"), skip_special_tokens=False)
+    text = "".join([shown.push(t) for t in ids] + [shown.flush()])
+    assert text == tok.decode(ids) == "Hi 🎉<|im_end|> ok"
 
 
 def test_every_prefix_streams_whole_characters(tok) -> None:
@@ -78,15 +83,22 @@ def test_every_prefix_streams_whole_characters(tok) -> None:
         assert whole == tok.decode(ids[:n], skip_special_tokens=True).rstrip(REPLACEMENT)
 
 
-def _expected_cut(text: str, stops: list[str]) -> str:
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    return text[: min(hits)] if hits else text
+def _expected_cut(text: str, stops: list[str], include: bool = False) -> str:
+    """Before the stop string that starts first (the first listed of those starting there),
+    or after it with `include`."""
+    hits = [(i, len(s)) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return text
+    at, length = min(hits, key=lambda hit: hit[0])
+    return text[: at + length if include else at]
 
 
-def _check_stop_stream(tok, text: str, stops: list[str], prompt: str = "Go:") -> None:
+def _check_stop_stream(
+    tok, text: str, stops: list[str], prompt: str = "Go:", include: bool = False
+) -> None:
     ids = encode(tok, text)
-    want = _expected_cut(text, stops)
-    d, deltas = stream(tok, prompt, ids, stops)
+    want = _expected_cut(text, stops, include)
+    d, deltas = stream(tok, prompt, ids, stops, include)
     assert "".join(deltas) == want == d.text, (stops, deltas)
     assert d.stopped == any(s in text for s in stops)
     assert not [x for x in deltas if REPLACEMENT in x]
@@ -110,18 +122,29 @@ def test_stop_string_spanning_tokens(tok) -> None:
     assert spanning >= 5
 
 
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "include_stop"])
 @pytest.mark.parametrize("text", MULTIBYTE_TEXTS[:5])
-def test_multibyte_stop_strings(tok, text: str) -> None:
+def test_multibyte_stop_strings(tok, text: str, include: bool) -> None:
     """Stop strings made of split characters, at every character offset."""
     for i in range(0, len(text) - 1, 3):
-        _check_stop_stream(tok, text, [text[i : i + 2]])
+        _check_stop_stream(tok, text, [text[i : i + 2]], include=include)
 
 
-def test_stop_string_the_earliest_wins(tok) -> None:
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "include_stop"])
+def test_stop_string_the_earliest_wins(tok, include: bool) -> None:
     text = "this is a test, and it is fine"
-    _check_stop_stream(tok, text, ["test", "is"])  # "is" inside "this" comes first
-    _check_stop_stream(tok, text, ["fine", ", and"])
-    _check_stop_stream(tok, text, ["this"])  # at the very start: nothing is shown
+    _check_stop_stream(tok, text, ["test", "is"], include=include)  # "is" in "this" is first
+    _check_stop_stream(tok, text, ["fine", ", and"], include=include)
+    _check_stop_stream(tok, text, ["this"], include=include)  # at the very start
+    # Streamed, the stop string that completes first wins (here the shorter of two that
+    # start at the same place), so nothing past it is ever shown.
+    d, deltas = stream(tok, "Go:", encode(tok, text), ["a test, and", "a t"], include)
+    assert "".join(deltas) == d.text == ("this is a t" if include else "this is ")
+
+
+def test_include_stop_keeps_the_stop_string_and_nothing_after(tok) -> None:
+    d, deltas = stream(tok, "Q:", encode(tok, "Hello world! Bye"), ["world"], include=True)
+    assert "".join(deltas) == d.text == "Hello world" and d.stopped
 
 
 def test_held_back_prefix_does_not_leak_when_the_stop_completes(tok) -> None:

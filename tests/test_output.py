@@ -65,14 +65,14 @@ def test_a_stop_string_ends_the_request_and_cuts_the_text(tok) -> None:
     assert out.num_cached_tokens == 3
 
 
-@pytest.mark.parametrize("finish", [FinishReason.LENGTH, FinishReason.STOP])
-def test_a_stop_string_wins_over_the_finish_that_came_with_it(tok, finish) -> None:
-    """The token that completes the stop string is the last one allowed (length) or an
-    EOS-like stop: either way the text is cut and the reason is `stop`."""
+def test_a_stop_string_wins_over_the_finish_that_came_with_it(tok) -> None:
+    """The token that completes the stop string is the last one allowed (length): the text
+    is cut and the reason is `stop`. (A stop token cannot complete one: its text is not
+    output.)"""
     ids = ids_of(tok, TEXT)
     k = next(i for i in range(len(ids)) if "world" in tok.decode(ids[: i + 1]))
     out = state(tok, max_tokens=k + 1, stop=("world",))
-    deltas = feed(out, ids[: k + 1], finish)
+    deltas = feed(out, ids[: k + 1], FinishReason.LENGTH)
     assert out.finish_reason is deltas[-1].finish_reason is FinishReason.STOP
     assert not any(d.stop_string_hit for d in deltas), "already finished: nothing to end"
     assert out.text == " Hello " == "".join(d.text for d in deltas)
@@ -93,6 +93,30 @@ def test_a_stop_token_is_counted_but_its_text_is_not_shown(tok) -> None:
     deltas = feed(out, ids, FinishReason.STOP)
     assert out.token_ids == ids and out.finish_reason is FinishReason.STOP
     assert out.text == tok.decode(ids[:-1]) == "".join(d.text for d in deltas)
+
+
+def test_include_stop_str_in_output_shows_the_stop_token_and_the_stop_string(tok) -> None:
+    ids = ids_of(tok, " Hello world")
+    out = state(tok, max_tokens=100, stop_token_ids=(ids[-1],), include_stop_str_in_output=True)
+    feed(out, ids, FinishReason.STOP)
+    assert out.text == " Hello world" and out.finish_reason is FinishReason.STOP
+    out = state(tok, max_tokens=100, stop=["wor"], include_stop_str_in_output=True)
+    deltas = feed(out, ids_of(tok, TEXT), None)
+    assert out.text == " Hello wor" == "".join(d.text for d in deltas)
+    assert sum(d.stop_string_hit for d in deltas) == 1
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_an_eos_is_shown_only_with_special_tokens_and_include_stop(tok, include) -> None:
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    mid = ids_of(tok, " Hi") + [eos] + ids_of(tok, " ok")
+    kw = {"max_tokens": 100, "skip_special_tokens": False, "include_stop_str_in_output": include}
+    out = state(tok, **kw)
+    feed(out, [*mid, eos], FinishReason.STOP)  # the engine stopped on EOS
+    assert out.text == " Hi<|im_end|> ok" + ("<|im_end|>" if include else "")
+    out = state(tok, max_tokens=100, include_stop_str_in_output=include)
+    feed(out, [*mid, eos], FinishReason.STOP)
+    assert out.text == " Hi ok"  # special tokens skipped: the EOS has no text either way
 
 
 def test_events_after_the_finish_are_ignored(tok) -> None:

@@ -107,7 +107,10 @@ class Preparer:
         if given is None:
             prompts = [self.document_start()]
         else:
-            prompts = [encode(self.tokenizer, p) if isinstance(p, str) else p for p in given]
+            special = req.add_special_tokens is not False
+            prompts = [
+                encode(self.tokenizer, p, special) if isinstance(p, str) else p for p in given
+            ]
         n, jobs = req.num_choices, list[Job]()
         for p, ids in enumerate(prompts):
             max_tokens = self._budget(len(ids), req.max_tokens, "max_tokens")
@@ -128,6 +131,11 @@ class Preparer:
                 tools.messages(req.messages, native),
                 self.policy.special_tokens_in_messages,
                 tools.template_tools() if native and tools.calls_tools else None,
+                {
+                    **(req.chat_template_kwargs or {}),
+                    "add_generation_prompt": req.add_generation_prompt is not False,
+                    "continue_final_message": bool(req.continue_final_message),
+                },
             )
         except RequestRejected as e:
             raise APIError(400, str(e), e.param) from None
@@ -180,4 +188,6 @@ def _sampling(
         seed=seed,
         logprobs=logprobs,
         structured_outputs=structured,
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=req.skip_special_tokens is not False,
     )

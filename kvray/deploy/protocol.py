@@ -1,11 +1,12 @@
 """OpenAI-compatible request and response bodies (pydantic), and the error body.
 
-Requests accept what OpenAI clients send; unknown extra fields are ignored (as vLLM does).
-Every field the OpenAI reference marks nullable accepts `null`, which means its default
-(`docs/api.md` has the table). `max_tokens: null` keeps vLLM's meaning instead: no limit
-from the client, so the server's default applies. Fields kvray cannot honour (penalties,
-logit_bias, echo, suffix, best_of != n) are refused with a 400 naming the field rather
-than silently ignored.
+Requests accept what OpenAI clients send, and vLLM's extra fields; other unknown fields
+are ignored (as vLLM does). Every field the OpenAI reference marks nullable accepts `null`,
+which means its default (`docs/api.md` has the table). `max_tokens: null` keeps vLLM's
+meaning instead: no limit from the client, so the server's default applies. Fields kvray
+cannot honour (penalties, logit_bias, echo, suffix, best_of != n, and the vLLM extras
+marked `_Only`) are refused with a 400 naming the field, unless they hold the value that
+changes nothing, rather than silently ignored.
 
 Structured outputs come in every spelling vLLM accepts: `response_format` (OpenAI's
 `json_object` and `json_schema`), the `structured_outputs` object (`json`, `regex`,
@@ -21,6 +22,7 @@ these same classes.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -29,6 +31,8 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -36,10 +40,33 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import core_schema
 
 MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+# Names chat_template_kwargs may not set: the renderer's own arguments and the variables the
+# request fills from its other fields.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 # -- plain-words checks shared by the request models --------------------------------------------
@@ -114,6 +141,34 @@ def _published(*alternatives: dict[str, Any]) -> dict[str, Any]:
     """The schema the OpenAPI document shows for a field that validators narrow further
     than its type: the alternatives it accepts, or null."""
     return {"anyOf": [*alternatives, {"type": "null"}]}
+
+
+class _Only:
+    """Field metadata for a vLLM extra that kvray does not implement and that would change
+    the output: `null`, absent or one of `accepted` (the value that changes nothing) is
+    taken; anything else is refused, naming the field, rather than silently ignored."""
+
+    def __init__(self, *accepted: Any) -> None:
+        self.accepted = accepted
+
+    def _check(self, v: Any) -> Any:
+        def same(a: Any) -> bool:  # as JSON values: 1 is 1.0, but true is not 1
+            return v is a if isinstance(v, bool) or isinstance(a, bool) else v == a
+
+        if v is None or any(same(a) for a in self.accepted):
+            return v
+        shown = " or ".join(json.dumps(a) for a in (*self.accepted, None))
+        raise ValueError(f"not supported by kvray (send {shown}, or omit it); got {json_kind(v)}")
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        return _published(*({"const": a} for a in self.accepted))
 
 
 def _prompt_shape(v: Any) -> Any:
@@ -334,6 +389,22 @@ class _SamplingFields(_Request):
     stop_token_ids: list[Int] | None = Field(default=None, description="vLLM extra")
     n: Int | None = Field(default=1, ge=1, le=MAX_N)
     ignore_eos: StrictBool | None = Field(default=False, description="vLLM extra")
+    include_stop_str_in_output: StrictBool | None = Field(default=False, description="vLLM extra")
+    skip_special_tokens: StrictBool | None = Field(default=True, description="vLLM extra")
+    # vLLM extras kvray does not implement: only their neutral value.
+    min_tokens: Annotated[Any, _Only(0)] = None
+    repetition_penalty: Annotated[Any, _Only(1)] = None
+    length_penalty: Annotated[Any, _Only(1)] = None
+    use_beam_search: Annotated[Any, _Only(False)] = None
+    prompt_logprobs: Annotated[Any, _Only()] = None
+    allowed_token_ids: Annotated[Any, _Only([])] = None
+    bad_words: Annotated[Any, _Only([])] = None
+    logits_processors: Annotated[Any, _Only([])] = None
+    truncate_prompt_tokens: Annotated[Any, _Only()] = None
+    spaces_between_special_tokens: Annotated[Any, _Only(True)] = None
+    return_tokens_as_token_ids: Annotated[Any, _Only(False)] = None
+    priority: Annotated[Any, _Only(0)] = None
+    cache_salt: Annotated[Any, _Only()] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -435,6 +506,9 @@ class CompletionRequest(_SamplingFields):
         default=None, json_schema_extra=_published({"type": "string", "maxLength": 0})
     )
     best_of: Int | None = Field(default=None, ge=1, description="only equal to n")
+    add_special_tokens: StrictBool | None = Field(
+        default=True, description="vLLM extra: the tokenizer's BOS (and such) around a prompt"
+    )
 
     @field_validator("echo")
     @classmethod
@@ -519,6 +593,38 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # vLLM extras for the chat template.
+    add_generation_prompt: StrictBool | None = Field(
+        default=True, description="vLLM extra: end the prompt with the assistant's header"
+    )
+    continue_final_message: StrictBool | None = Field(
+        default=False, description="vLLM extra: the reply continues the last (assistant) message"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="vLLM extra: more variables for the chat template"
+    )
+    echo: Annotated[Any, _Only(False)] = None
+    add_special_tokens: Annotated[Any, _Only(False)] = None
+    chat_template: Annotated[Any, _Only()] = None
+    documents: Annotated[Any, _Only()] = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_prompt(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        if v and info.data.get("add_generation_prompt", False):
+            raise ValueError("needs add_generation_prompt: false (as in vLLM)")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or ()) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(
+                f"{', '.join(map(repr, taken))} cannot be set here (they are the request's own "
+                "fields or the renderer's)"
+            )
+        return v
 
     @field_validator("tool_choice")
     @classmethod

@@ -6,7 +6,9 @@ if the request ends first, that half character is dropped (vLLM does the same).
 Each delta is the difference between decoding a short window of ids with and without
 the new ones, so leading-space rules of SentencePiece/BPE tokenizers come out right. Text
 that could be the start of a stop string is held back until it is known not to be; when
-a stop string appears, the text is cut before it and `stopped` is set. The concatenation
+a stop string appears, the text is cut before it (after it, with `include_stop`) and
+`stopped` is set; the first to appear wins (of two completed by one token, the one that
+starts first). The concatenation
 of every `push` and the final `flush` equals `text`.
 """
 
@@ -28,9 +30,11 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop
         self.stop = tuple(stop)
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._ids = list(prompt_ids[-_PREFIX_WINDOW:])
@@ -78,9 +82,10 @@ class IncrementalDetokenizer:
             self.text += delta
             if self.stop:
                 window = max(0, len(self.text) - len(delta) - self._max_stop + 1)
-                hits = [i for s in self.stop if (i := self.text.find(s, window)) >= 0]
+                hits = [(i, s) for s in self.stop if (i := self.text.find(s, window)) >= 0]
                 if hits:
-                    self.text = self.text[: min(hits)]
+                    at, stop = min(hits, key=lambda hit: hit[0])
+                    self.text = self.text[: at + len(stop) if self.include_stop else at]
                     self.stopped = True
         if final or self.stopped or not self.stop:
             return self._take(len(self.text))

@@ -57,7 +57,13 @@ class OutputState:
         self.sampling = sampling
         self._detok: IncrementalDetokenizer | None = None
         if tokenizer is not None:
-            self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, sampling.stop)
+            self._detok = IncrementalDetokenizer(
+                tokenizer,
+                prompt_ids,
+                sampling.stop,
+                sampling.skip_special_tokens,
+                sampling.include_stop_str_in_output,
+            )
         self.token_ids: list[int] = []
         self.logprobs: list[Logprob] = []
         self.finish_reason: FinishReason | None = None
@@ -88,7 +94,8 @@ class OutputState:
             if event.logprob is not None:
                 logprobs = ((event.token_id, event.logprob, event.top_logprobs),)
                 self.logprobs += logprobs
-            if self._detok is not None and not ended_on_stop_token(event, self.sampling):
+            shown = self.sampling.include_stop_str_in_output or not ended_on_stop_token(event)
+            if self._detok is not None and shown:
                 text = self._detok.push(event.token_id)
                 hit = self._detok.stopped and not event.finished
         if event.finish_reason is not None:

@@ -38,9 +38,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def encode(tokenizer: Tokenizer, text: str) -> list[int]:
-    """A plain prompt's ids (with the special tokens the tokenizer adds, e.g. a BOS)."""
-    return list(tokenizer(text)["input_ids"])
+def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A plain prompt's ids (with the special tokens the tokenizer adds, e.g. a BOS, unless
+    `add_special_tokens` is false)."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def document_start_id(tokenizer: Tokenizer) -> int | None:
@@ -58,21 +59,25 @@ def chat_ids(
     messages: Sequence[Message],
     special_tokens_in_content: bool = False,
     tools: Tools = None,
+    options: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of `messages` through the chat template, ready for the assistant's reply
-    (`tools` are handed to the template, for templates that render them). Raises
+    (`tools` are handed to the template, for templates that render them). `options` go to
+    the template as well: `add_generation_prompt` (default true), `continue_final_message`
+    (the reply continues the last message), and any variable the template reads. Raises
     RequestRejected (param `messages`) when the model has no chat template, or when typed
     special-token text cannot be kept as text."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestRejected("this model's tokenizer has no chat template", "messages")
-    text = _render(tokenizer, messages, tools)
+    options = {"add_generation_prompt": True, **(options or {})}
+    text = _render(tokenizer, messages, tools, options)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     pattern = _special_pattern(tokenizer)
     if special_tokens_in_content or pattern is None:
         return ids
     if not any(pattern.search(m.get("content") or "") for m in messages):
         return ids
-    return _content_as_text(tokenizer, messages, pattern, tools)
+    return _content_as_text(tokenizer, messages, pattern, tools, options)
 
 
 @lru_cache(maxsize=8)
@@ -88,15 +93,16 @@ def _content_as_text(
     tokenizer: Tokenizer,
     messages: Sequence[Message],
     pattern: re.Pattern[str],
-    tools: Tools = None,
+    tools: Tools,
+    options: Mapping[str, Any],
 ) -> list[int]:
-    text = _render(tokenizer, messages, tools)
+    text = _render(tokenizer, messages, tools, options)
     # Where each content lands: render again with unique placeholders for the contents,
     # and check that putting the real contents back gives the same text.
     nonce = secrets.token_hex(8)
     marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
     placeholders = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
-    skeleton = _render(tokenizer, placeholders, tools)
+    skeleton = _render(tokenizer, placeholders, tools, options)
     pieces: list[str] = []
     rest = skeleton
     for mark in marks:
@@ -129,12 +135,14 @@ def _content_as_text(
     return ids
 
 
-def _render(tokenizer: Tokenizer, messages: Sequence[Message], tools: Tools = None) -> str:
+def _render(
+    tokenizer: Tokenizer, messages: Sequence[Message], tools: Tools, options: Mapping[str, Any]
+) -> str:
     text = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         tools=[dict(t) for t in tools] if tools else None,
         tokenize=False,
-        add_generation_prompt=True,
+        **options,
     )
     assert isinstance(text, str)
     return text

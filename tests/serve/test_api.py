@@ -263,6 +263,68 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
     assert ray.get(scheduler().stats.remote())["num_aborted"] == aborted0
 
 
+def test_include_stop_str_in_output_and_special_tokens(
+    client: openai.OpenAI, tokenizer: Any
+) -> None:
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    base: dict[str, Any] = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
+    full = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0]
+    k = len(full.text) // 2
+    stop = full.text[k : k + 3]
+    kept = full.text[: full.text.index(stop) + len(stop)]
+    for stream in (False, True):
+        extra = {"include_stop_str_in_output": True}
+        got = client.completions.create(**base, stop=stop, extra_body=extra, stream=stream)
+        chunks = list(got) if stream else [got]
+        assert "".join(c.choices[0].text for c in chunks) == kept, (stream, chunks)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    # A stop token's text, which is otherwise not shown.
+    ids = tokenizer(full.text, add_special_tokens=False)["input_ids"]
+    extra = {"ignore_eos": True, "stop_token_ids": [ids[3]]}
+    hidden = client.completions.create(**base, extra_body=extra).choices[0]
+    shown = client.completions.create(
+        **base, extra_body={**extra, "include_stop_str_in_output": True}
+    ).choices[0]
+    assert hidden.finish_reason == shown.finish_reason == "stop"
+    assert shown.text == hidden.text + tokenizer.decode([ids[3]]), (hidden.text, shown.text)
+    # skip_special_tokens: false shows a special token the model writes (here the EOS that
+    # ends a reply, kept by include_stop_str_in_output).
+    chat = dict(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    plain = client.chat.completions.create(**chat).choices[0]
+    special = client.chat.completions.create(
+        **chat, extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}
+    ).choices[0]
+    assert plain.finish_reason == special.finish_reason == "stop"
+    assert special.message.content == plain.message.content + tokenizer.eos_token
+
+
+def test_chat_template_options(client: openai.OpenAI, tokenizer: Any) -> None:
+    """continue_final_message: the reply carries on the last (assistant) message, exactly
+    as a completion of the same rendered prompt does; add_generation_prompt: false leaves
+    the assistant's header out."""
+    history = [*FRANCE, {"role": "assistant", "content": "The capital of France is"}]
+    text = tokenizer.apply_chat_template(history, tokenize=False, continue_final_message=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=history, temperature=0, max_tokens=8, extra_body=extra
+    )
+    same = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=8)
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].message.content == same.choices[0].text
+    bare = client.chat.completions.create(
+        model=MODEL,
+        messages=FRANCE,
+        max_tokens=1,
+        extra_body={"add_generation_prompt": False, "chat_template_kwargs": {"x": 1}},
+    )
+    assert bare.usage.prompt_tokens < len(chat_ids(tokenizer, FRANCE))
+    no_header = tokenizer.apply_chat_template(FRANCE, tokenize=False)
+    assert bare.usage.prompt_tokens == len(
+        tokenizer(no_header, add_special_tokens=False)["input_ids"]
+    )
+
+
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL,
@@ -471,6 +533,39 @@ MALFORMED: list[tuple[str, str, str, Any, int, str | None]] = [
     ("stop-too-many", "POST", _CHAT, _chat(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
     ("stop-int", "POST", _CMPL, _cmpl(stop=5), 400, "stop"),
     ("top-logprobs-no-logprobs", "POST", _CHAT, _chat(top_logprobs=2), 400, "top_logprobs"),
+    # vLLM extras kvray does not implement are refused unless neutral.
+    ("min-tokens", "POST", _CMPL, _cmpl(min_tokens=3), 400, "min_tokens"),
+    ("repetition-penalty", "POST", _CHAT, _chat(repetition_penalty=1.2), 400, "repetition_penalty"),
+    ("prompt-logprobs", "POST", _CMPL, _cmpl(prompt_logprobs=1), 400, "prompt_logprobs"),
+    ("beam-search", "POST", _CMPL, _cmpl(use_beam_search=True), 400, "use_beam_search"),
+    ("bad-words", "POST", _CHAT, _chat(bad_words=["Paris"]), 400, "bad_words"),
+    ("chat-echo", "POST", _CHAT, _chat(echo=True), 400, "echo"),
+    ("chat-add-special", "POST", _CHAT, _chat(add_special_tokens=True), 400, "add_special_tokens"),
+    ("chat-template", "POST", _CHAT, _chat(chat_template="{{ 1 }}"), 400, "chat_template"),
+    (
+        "skip-special-str",
+        "POST",
+        _CMPL,
+        _cmpl(skip_special_tokens="no"),
+        400,
+        "skip_special_tokens",
+    ),
+    (
+        "continue-and-generation-prompt",
+        "POST",
+        _CHAT,
+        _chat(continue_final_message=True),
+        400,
+        "continue_final_message",
+    ),
+    (
+        "template-kwargs-reserved",
+        "POST",
+        _CHAT,
+        _chat(chat_template_kwargs={"add_generation_prompt": False}),
+        400,
+        "chat_template_kwargs",
+    ),
     # A check that depends on another field leaves it to that field's own error.
     ("best-of-with-bad-n", "POST", _CMPL, _cmpl(n=20, best_of=20), 400, "n"),
     (

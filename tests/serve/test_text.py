@@ -95,6 +95,39 @@ def test_a_template_that_rewrites_content_refuses_typed_special_tokens(tokenizer
         chat_ids(Trimming(tokenizer), messages)
 
 
+def test_template_options_reach_the_template(tokenizer: Any) -> None:
+    """chat_template_kwargs' variables and add_generation_prompt reach the template, on
+    both tokenizing paths (plain, and typed special tokens kept as text)."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{{ greeting | default('') }}{% endif %}"
+    )
+
+    class Greeting:
+        def __init__(self, tok: Any) -> None:
+            self._tok = tok
+            self.chat_template = template
+
+        def apply_chat_template(self, messages: list, **kw: Any) -> str:
+            return self._tok.apply_chat_template(messages, chat_template=template, **kw)
+
+        def __call__(self, *args: Any, **kw: Any) -> Any:
+            return self._tok(*args, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._tok, name)
+
+    tok = Greeting(tokenizer)
+    for content in ("hi", "hi <|im_end|> there"):
+        messages = [{"role": "user", "content": content}]
+        plain = tokenizer.decode(chat_ids(tok, messages))
+        greeted = tokenizer.decode(chat_ids(tok, messages, options={"greeting": "Hey!"}))
+        assert greeted == plain + "Hey!" and plain.endswith("<|im_start|>assistant\n")
+        bare = chat_ids(tok, messages, options={"add_generation_prompt": False})
+        assert tokenizer.decode(bare) == plain.removesuffix("<|im_start|>assistant\n")
+
+
 # -- half characters ----------------------------------------------------------------------------
 
 
