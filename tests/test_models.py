@@ -283,6 +283,90 @@ def test_sharded_index_and_missing_weights(checkpoints, tmp_path: Path) -> None:
         load_model(tmp_path, TPGroup(), torch.float32, "cpu")
 
 
+def _copy_checkpoint(src: Path, dst: Path, edit=None, tensors=None) -> Path:
+    """`src` again at `dst`, its config.json changed by `edit`, its weights by `tensors`."""
+    from safetensors.torch import load_file, save_file
+
+    raw = json.loads((src / "config.json").read_text())
+    if edit is not None:
+        edit(raw)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(raw))
+    weights = load_file(src / "model.safetensors")
+    save_file(tensors(weights) if tensors else weights, dst / "model.safetensors")
+    return dst
+
+
+def test_checkpoints_that_would_compute_wrong_are_refused(checkpoints, tmp_path: Path) -> None:
+    """A quantized checkpoint, a tensor of another dtype or shape than config.json implies:
+    each refused by name, never loaded as if it were plain weights."""
+    src, _ = checkpoints["qwen2"]
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    quantized = _copy_checkpoint(src, tmp_path / "q", lambda c: c.update(quantization_config=fp8))
+    with pytest.raises(ValueError, match="quantized checkpoints are not supported.*'fp8'"):
+        load_model(quantized, TPGroup(), torch.float32, "cpu")
+
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def int8(w: dict) -> dict:
+        return {**w, name: w[name].to(torch.int8)}
+
+    with pytest.raises(ValueError, match=rf"'{name}' is I8: quantized"):
+        load_model(
+            _copy_checkpoint(src, tmp_path / "i8", tensors=int8), TPGroup(), torch.float32, "cpu"
+        )
+
+    def fewer_kv_heads(c: dict) -> None:
+        c["num_key_value_heads"] = 1  # the checkpoint holds 2
+
+    narrow = _copy_checkpoint(src, tmp_path / "kv", fewer_kv_heads)
+    with pytest.raises(ValueError, match=r"k_proj\.(weight|bias)' has shape \[32.*\[16"):
+        load_model(narrow, TPGroup(), torch.float32, "cpu")
+
+
+def test_config_variants_load_as_transformers_reads_them(checkpoints, tmp_path: Path) -> None:
+    """A rope_scaling added by hand to a transformers-5 config wins over its rope_parameters;
+    Qwen's use_sliding_window with no sliding layer is full attention; a tied checkpoint
+    that saved only lm_head.weight serves it as the embedding. Each matches transformers."""
+    import transformers as tf
+
+    src, _ = checkpoints["llama"]
+    ids = _prompts(1, 17, seed=6)[0]
+
+    def check(path: Path) -> None:
+        hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        (logits,) = Runner(load_model(path, TPGroup(), torch.float32, "cpu"), 4).step([(0, 0, ids)])
+        torch.testing.assert_close(logits, _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+    scaled = _copy_checkpoint(
+        checkpoints["llama3_rope"][0],
+        tmp_path / "rope",
+        lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    )
+    cfg = ModelConfig.from_pretrained(scaled)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "linear"
+    check(scaled)
+
+    def window_past_the_last_layer(c: dict) -> None:
+        c.update(use_sliding_window=True, sliding_window=8, max_window_layers=3)
+
+    check(_copy_checkpoint(checkpoints["qwen2"][0], tmp_path / "swa", window_past_the_last_layer))
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelConfig.from_dict(
+            {
+                **json.loads((src / "config.json").read_text()),
+                "layer_types": ["full_attention", "sliding_attention"],
+            }
+        )
+
+    def head_only(w: dict) -> dict:
+        w = dict(w)
+        w["lm_head.weight"] = w.pop("model.embed_tokens.weight")
+        return w
+
+    check(_copy_checkpoint(src, tmp_path / "tied", tensors=head_only))
+
+
 def test_bfloat16_runs_close_to_float32(checkpoints) -> None:
     path, _ = checkpoints["qwen3"]
     ids = _prompts(1, 13, seed=5)[0]

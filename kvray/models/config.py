@@ -2,7 +2,8 @@
 
 One Llama-family implementation serves Llama, Qwen2 and Qwen3; they differ only in flags
 (`qkv_bias`, `o_bias`, `qk_norm`). Anything else (sliding windows, other activations,
-partial rotary, other rope types) is rejected here, up front, with a clear error.
+partial rotary, other rope types, quantized weights) is rejected here, up front, with a
+clear error. Keys a config leaves out take transformers' defaults for its architecture.
 """
 
 from __future__ import annotations
@@ -68,13 +69,22 @@ class ModelConfig:
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
-        if cfg.get("use_sliding_window") or any(
-            t != "full_attention" for t in cfg.get("layer_types") or ()
-        ):
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise ValueError(
+                f"quantized checkpoints are not supported (quant_method {method!r}); use a "
+                "float32, bfloat16 or float16 one"
+            )
+        if any(t != "full_attention" for t in _layer_types(cfg)):
             raise ValueError("sliding-window attention is not supported")
 
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        rope_theta, rope_scaling = _parse_rope(cfg)
+        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        # transformers' defaults where a config leaves these out
+        head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
+        max_positions = int(cfg.get("max_position_embeddings") or (32768 if is_qwen else 2048))
+        rope_theta, rope_scaling = _parse_rope(cfg, max_positions)
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(eos)
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
@@ -89,12 +99,12 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=int(head_dim),
             vocab_size=int(cfg["vocab_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=True if is_qwen2 else attention_bias,
             o_bias=False if is_qwen2 else attention_bias,
@@ -105,10 +115,25 @@ class ModelConfig:
         )
 
 
-def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _layer_types(cfg: dict[str, Any]) -> list[str]:
+    """Each layer's attention, as transformers reads it: `layer_types` when given, else
+    Qwen's `use_sliding_window` (with a window) slides the layers from `max_window_layers`
+    on (none, when that is past the last layer)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    n = int(cfg.get("num_hidden_layers", 0))
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
+        first = int(cfg.get("max_window_layers", 28))
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+def _parse_rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
     """Rope settings live in `rope_parameters` (transformers >= 5) or in top-level
-    `rope_theta` plus `rope_scaling` (older checkpoints); read either."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    `rope_theta` plus `rope_scaling` (older checkpoints, or one added by hand to a newer
+    config); as in transformers, a `rope_scaling` wins, and the theta it lacks is the
+    top-level one, else 10000."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -123,6 +148,8 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings") or max_positions
+            ),
         )
     raise ValueError(f"unsupported rope type {rope_type!r} (default, linear or llama3)")

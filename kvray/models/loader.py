@@ -2,7 +2,9 @@
 
 Each rank reads only its own slices: safetensors' `get_slice` maps the file and copies just
 the requested rows/columns. Every parameter part of the model must be filled exactly by the
-checkpoint; anything missing is an error, never silently left uninitialised.
+checkpoint; anything missing is an error, never silently left uninitialised. Every tensor
+loaded must have the full shape config.json implies and a floating-point dtype (a quantized
+weight, int8 or FP8 with its scales elsewhere, is refused rather than read as numbers).
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from kvray.models import fused
 from kvray.models.config import ModelConfig
+from kvray.models.layers import ColumnParallelLinear
 from kvray.models.llama import LlamaForCausalLM
 from kvray.models.tp import TPGroup
 
@@ -28,6 +32,8 @@ _MERGED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _NAME = re.compile(r"^(?P<module>.+?)\.(?P<proj>[a-z_]+)\.(?P<param>weight|bias)$")
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -45,13 +51,17 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _target(name: str, config: ModelConfig) -> tuple[str, str, int] | None:
-    """Checkpoint tensor name -> (our module path, parameter name, part), or None to skip."""
+def _target(name: str, config: ModelConfig, names: set[str]) -> tuple[str, str, int] | None:
+    """Checkpoint tensor name -> (our module path, parameter name, part), or None to skip
+    (`names`: every tensor the checkpoint holds)."""
     if name.endswith("rotary_emb.inv_freq"):
         return None
-    if name == "lm_head.weight":
-        # A tied checkpoint may still carry a copy; the embedding is the one we use.
-        return None if config.tie_word_embeddings else ("lm_head", "weight", 0)
+    if name == _HEAD:
+        if not config.tie_word_embeddings:
+            return ("lm_head", "weight", 0)
+        # A tied checkpoint may still carry a copy; the embedding is the one we use, unless
+        # the head is all it saved (transformers loads that one too).
+        return ("model.embed_tokens", "weight", 0) if _EMBED not in names else None
     m = _NAME.match(name)
     if m is None:
         return None
@@ -72,6 +82,36 @@ def _expected_parts(model: LlamaForCausalLM) -> set[tuple[str, str, int]]:
     return expected
 
 
+def _full_shapes(config: ModelConfig) -> dict[tuple[str, str, int], tuple[int, ...]]:
+    """The unsharded shape of every checkpoint tensor the model takes, by target: those of
+    a one-rank model, built on the meta device (no memory)."""
+    whole = LlamaForCausalLM(config, TPGroup(), torch.float32, "meta")
+    shapes = {}
+    for mod_name, mod in whole.named_modules():
+        if hasattr(mod, "load_weight"):
+            for param, tensor in mod.named_parameters(recurse=False):
+                for part in range(getattr(mod, "num_parts", 1)):
+                    shape = tuple(tensor.shape)
+                    if isinstance(mod, ColumnParallelLinear):  # parts stacked on rows
+                        shape = (mod.out_sizes[part], *shape[1:])
+                    shapes[(mod_name, param, part)] = shape
+    return shapes
+
+
+def _check_tensor(name: str, src: Any, want: tuple[int, ...]) -> None:
+    dtype, shape = src.get_dtype(), tuple(src.get_shape())
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"checkpoint tensor {name!r} is {dtype}: quantized checkpoints are not supported "
+            "(use a float32, bfloat16 or float16 one)"
+        )
+    if shape != want:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {list(shape)}, but config.json implies "
+            f"{list(want)}"
+        )
+
+
 def load_model(
     path: str | Path,
     tp: TPGroup,
@@ -85,18 +125,26 @@ def load_model(
     config = ModelConfig.from_pretrained(path)
     model = LlamaForCausalLM(config, tp, dtype, device)
     expected = _expected_parts(model)
+    shapes = _full_shapes(config)
+    files = weight_files(path)
+    names: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.update(f.keys())
     loaded: set[tuple[str, str, int]] = set()
     with torch.no_grad():
-        for file in weight_files(path):
+        for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    target = _target(name, config)
+                    target = _target(name, config, names)
                     if target is None:
                         continue
                     if target not in expected:
                         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                    src = f.get_slice(name)
+                    _check_tensor(name, src, shapes[target])
                     module, param, part = target
-                    model.get_submodule(module).load_weight(param, f.get_slice(name), part)
+                    model.get_submodule(module).load_weight(param, src, part)
                     loaded.add(target)
     missing = expected - loaded
     if missing:
