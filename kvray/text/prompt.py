@@ -69,7 +69,6 @@ def chat_ids(
     special-token text cannot be kept as text."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestRejected("this model's tokenizer has no chat template", "messages")
-    options = {"add_generation_prompt": True, **(options or {})}
     text = _render(tokenizer, messages, tools, options)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     pattern = _special_pattern(tokenizer)
@@ -93,8 +92,8 @@ def _content_as_text(
     tokenizer: Tokenizer,
     messages: Sequence[Message],
     pattern: re.Pattern[str],
-    tools: Tools,
-    options: Mapping[str, Any],
+    tools: Tools = None,
+    options: Mapping[str, Any] | None = None,
 ) -> list[int]:
     text = _render(tokenizer, messages, tools, options)
     # Where each content lands: render again with unique placeholders for the contents,
@@ -136,13 +135,16 @@ def _content_as_text(
 
 
 def _render(
-    tokenizer: Tokenizer, messages: Sequence[Message], tools: Tools, options: Mapping[str, Any]
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    tools: Tools,
+    options: Mapping[str, Any] | None,
 ) -> str:
     text = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         tools=[dict(t) for t in tools] if tools else None,
         tokenize=False,
-        **options,
+        **{"add_generation_prompt": True, **(options or {})},
     )
     assert isinstance(text, str)
     return text
