@@ -72,19 +72,10 @@ def _target(name: str, config: ModelConfig, names: set[str]) -> tuple[str, str, 
     return f"{module}.{proj}", param, 0
 
 
-def _expected_parts(model: LlamaForCausalLM) -> set[tuple[str, str, int]]:
-    expected = set()
-    for mod_name, mod in model.named_modules():
-        if hasattr(mod, "load_weight"):
-            for param, _ in mod.named_parameters(recurse=False):
-                for part in range(getattr(mod, "num_parts", 1)):
-                    expected.add((mod_name, param, part))
-    return expected
-
-
 def _full_shapes(config: ModelConfig) -> dict[tuple[str, str, int], tuple[int, ...]]:
-    """The unsharded shape of every checkpoint tensor the model takes, by target: those of
-    a one-rank model, built on the meta device (no memory)."""
+    """Every parameter part the model takes from the checkpoint (the same on every rank),
+    with the unsharded shape of its checkpoint tensor: those of a one-rank model, built on
+    the meta device (no memory)."""
     whole = LlamaForCausalLM(config, TPGroup(), torch.float32, "meta")
     shapes = {}
     for mod_name, mod in whole.named_modules():
@@ -124,8 +115,8 @@ def load_model(
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     model = LlamaForCausalLM(config, tp, dtype, device)
-    expected = _expected_parts(model)
     shapes = _full_shapes(config)
+    expected = shapes.keys()
     files = weight_files(path)
     names: set[str] = set()
     for file in files:

@@ -326,7 +326,7 @@ def test_chat_template_options(client: openai.OpenAI, tokenizer: Any) -> None:
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(
+    kw: dict[str, Any] = dict(
         model=MODEL,
         messages=FRANCE,
         temperature=0,
@@ -335,6 +335,7 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         top_logprobs=2,
         extra_body={"ignore_eos": True},
     )
+    r = client.chat.completions.create(**kw)
     choice = r.choices[0]
     content = choice.logprobs.content
     assert len(content) == r.usage.completion_tokens == 6
@@ -352,17 +353,7 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     # test_completion_logprobs).
     for stop in (None, [content[2].token + "\x07\x07"]):
         streamed = []
-        for chunk in client.chat.completions.create(
-            model=MODEL,
-            messages=FRANCE,
-            temperature=0,
-            max_tokens=6,
-            logprobs=True,
-            top_logprobs=2,
-            stop=stop,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        ):
+        for chunk in client.chat.completions.create(**kw, stop=stop, stream=True):
             if chunk.choices and chunk.choices[0].logprobs is not None:
                 streamed += chunk.choices[0].logprobs.content
         assert [e.token for e in streamed] == [e.token for e in content]

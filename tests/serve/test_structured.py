@@ -224,18 +224,15 @@ def test_tool_choice_required_then_tool_result(client: openai.OpenAI) -> None:
 
 
 def test_named_tool_choice_streams_argument_deltas(client: openai.OpenAI) -> None:
+    forced: dict[str, Any] = dict(
+        model=MODEL,
+        messages=PARIS,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=40,
+    )
     chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=PARIS,
-            tools=[WEATHER, TIME],
-            tool_choice={"type": "function", "function": {"name": "get_time"}},
-            temperature=1.0,
-            seed=5,
-            n=2,
-            max_tokens=40,
-            stream=True,
-        )
+        client.chat.completions.create(**forced, temperature=1.0, seed=5, n=2, stream=True)
     )
     for index in (0, 1):
         deltas = [
@@ -250,14 +247,7 @@ def test_named_tool_choice_streams_argument_deltas(client: openai.OpenAI) -> Non
         jsonschema.validate(json.loads(args), TIME["function"]["parameters"])
         finish = [ch.finish_reason for c in chunks for ch in c.choices if ch.index == index]
         assert finish[-1] == "stop"  # forced, not chosen: OpenAI and vLLM say stop
-    whole = client.chat.completions.create(
-        model=MODEL,
-        messages=PARIS,
-        tools=[WEATHER, TIME],
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
-        temperature=0,
-        max_tokens=40,
-    )
+    whole = client.chat.completions.create(**forced, temperature=0)
     (call,) = whole.choices[0].message.tool_calls
     _args_valid(call, TIME)
     assert whole.choices[0].finish_reason == "stop"
