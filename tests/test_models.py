@@ -120,6 +120,14 @@ class Runner:
 
     def step(self, batch: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
         """batch = [(row, start, token ids)]; returns each request's logits [len(ids), V]."""
+        logits = self.logits_at(batch, torch.arange(sum(len(ids) for _, _, ids in batch)))
+        return list(logits.split([len(ids) for _, _, ids in batch]))
+
+    def logits_at(
+        self, batch: list[tuple[int, int, list[int]]], rows: torch.Tensor
+    ) -> torch.Tensor:
+        """One step of `batch` (as `step`) that asks for the logits of the flat batch's
+        `rows` only."""
         for row, start, ids in batch:
             self._allocate(row, start + len(ids))
         meta = AttnMetadata.build(
@@ -131,8 +139,7 @@ class Runner:
         )
         self.attn.prepare(meta)
         input_ids = torch.tensor([t for _, _, ids in batch for t in ids])
-        logits = self.model(input_ids, meta.positions, self.attn, torch.arange(len(input_ids)))
-        return list(logits.split([len(ids) for _, _, ids in batch]))
+        return self.model(input_ids, meta.positions, self.attn, rows)
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -197,6 +204,34 @@ def test_chunked_prefill_decode_and_prefix_reuse(checkpoints, variant: str, page
     runner.share_prefix(2, 0, shared)
     (tail,) = runner.step([(2, shared, c[shared:])])
     torch.testing.assert_close(tail, _hf_logits(hf, c)[shared:], atol=1e-4, rtol=1e-4)
+
+
+def test_only_the_sampled_rows_go_past_the_last_layers_attention(checkpoints) -> None:
+    """The last layer's o_proj and MLP run on the rows whose logits a step wants, and
+    their logits are HF's; every token's K/V is still stored, so a chunk that samples
+    nothing leaves the cache right for the next one."""
+    path, hf = checkpoints["qwen2"]  # a qkv bias and an untied LM head
+    model = load_model(path, TPGroup(), torch.float32, "cpu")
+    runner = Runner(model, page_size=4)
+    mlp_rows: list[int] = []
+    model.model.layers[-1].mlp.register_forward_hook(
+        lambda _mod, args, _out: mlp_rows.append(args[0].shape[0])
+    )
+    first_mlp_rows: list[int] = []
+    model.model.layers[0].mlp.register_forward_hook(
+        lambda _mod, args, _out: first_mlp_rows.append(args[0].shape[0])
+    )
+    a, b = _prompts(2, 21, seed=3)
+    ref_a, ref_b = _hf_logits(hf, a), _hf_logits(hf, b)
+    none = runner.logits_at([(0, 0, a[:12]), (1, 0, b[:8])], torch.zeros(0, dtype=torch.long))
+    assert none.shape[0] == 0
+    # a's rest (rows 0-8 of the flat batch) and b's rest (rows 9-18): a few rows of each
+    rows = torch.tensor([0, 8, 9, 14, 18])
+    got = runner.logits_at([(0, 12, a[12:]), (1, 8, b[8:])], rows)
+    want = torch.stack([ref_a[12], ref_a[20], ref_b[8], ref_b[13], ref_b[17]])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert first_mlp_rows == [20, 19]  # every token, in every layer but the last
+    assert mlp_rows == [0, 5]
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
