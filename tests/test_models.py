@@ -358,6 +358,10 @@ def test_checkpoints_that_would_compute_wrong_are_refused(checkpoints, tmp_path:
     with pytest.raises(ValueError, match=r"k_proj\.(weight|bias)' has shape \[32.*\[16"):
         load_model(narrow, TPGroup(), torch.float32, "cpu")
 
+    no_layers = json.loads((src / "config.json").read_text()) | {"num_hidden_layers": 0}
+    with pytest.raises(ValueError, match="num_hidden_layers is 0: need at least 1"):
+        ModelConfig.from_dict(no_layers)
+
 
 def test_config_variants_load_as_transformers_reads_them(checkpoints, tmp_path: Path) -> None:
     """A rope_scaling added by hand to a transformers-5 config wins over its rope_parameters;

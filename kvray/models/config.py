@@ -78,6 +78,8 @@ class ModelConfig:
             )
         if any(t != "full_attention" for t in _layer_types(cfg)):
             raise ValueError("sliding-window attention is not supported")
+        if int(cfg["num_hidden_layers"]) < 1:  # the model's last layer is where logits start
+            raise ValueError(f"num_hidden_layers is {cfg['num_hidden_layers']}: need at least 1")
 
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
