@@ -285,6 +285,41 @@ def test_config_parsing(checkpoints, tmp_path: Path) -> None:
         ModelConfig.from_dict({**raw, "architectures": ["MistralForCausalLM"]})
     with pytest.raises(ValueError, match="rope type"):
         ModelConfig.from_dict({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    incomplete = {k: v for k, v in LLAMA3_ROPE.items() if k != "low_freq_factor"}
+    with pytest.raises(ValueError, match=r"llama3 rope scaling needs rope_scaling\.low_freq"):
+        ModelConfig.from_dict({**raw, "rope_parameters": incomplete})
+
+
+def test_engine_spec_eos_ids_and_tp_split(checkpoints, tmp_path: Path) -> None:
+    """The EOS ids are generation_config.json's where it exists (as `generate` reads them:
+    one without any stops nowhere), config.json's otherwise; a TP size that cannot split
+    the model is refused before any worker starts, naming the config field."""
+    from kvray.cluster.spec import EngineSpec
+    from kvray.config import EngineConfig
+
+    def spec(path: Path, tp_size: int = 1) -> EngineSpec:
+        return EngineSpec.resolve(EngineConfig(model=str(path), tp_size=tp_size), progress=False)
+
+    def eos_in(c: dict) -> None:
+        c["eos_token_id"] = [3, 9]
+
+    path = _copy_checkpoint(checkpoints["llama"][0], tmp_path / "eos", eos_in)
+    gen = path / "generation_config.json"
+    assert spec(path).eos_token_ids == (3, 9)
+    gen.write_text(json.dumps({"eos_token_id": 11}))
+    assert spec(path).eos_token_ids == (11,)
+    gen.write_text(json.dumps({"eos_token_id": [12, 4]}))
+    assert spec(path).eos_token_ids == (4, 12)
+    gen.write_text(json.dumps({"max_new_tokens": 5}))
+    assert spec(path).eos_token_ids == ()
+
+    # COMMON: 4 heads, 2 KV heads, intermediate 128
+    assert spec(path, tp_size=4).model_config.num_heads == 4  # KV heads replicated
+    with pytest.raises(ValueError, match="tp_size 3 cannot split the model's num_attention_heads"):
+        spec(path, tp_size=3)
+    odd_mlp = _copy_checkpoint(path, tmp_path / "mlp", lambda c: c.update(intermediate_size=130))
+    with pytest.raises(ValueError, match="tp_size 4 cannot split the model's intermediate_size"):
+        spec(odd_mlp, tp_size=4)
 
 
 def test_sharded_index_and_missing_weights(checkpoints, tmp_path: Path) -> None:
@@ -316,6 +351,13 @@ def test_sharded_index_and_missing_weights(checkpoints, tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="lacks"):
         load_model(tmp_path, TPGroup(), torch.float32, "cpu")
+
+    only_pickled = tmp_path / "bin"
+    only_pickled.mkdir()
+    (only_pickled / "config.json").write_text((src / "config.json").read_text())
+    (only_pickled / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="found pytorch_model.bin: pickled weights"):
+        load_model(only_pickled, TPGroup(), torch.float32, "cpu")
 
 
 def _copy_checkpoint(src: Path, dst: Path, edit=None, tensors=None) -> Path:
@@ -404,6 +446,21 @@ def test_config_variants_load_as_transformers_reads_them(checkpoints, tmp_path: 
         return w
 
     check(_copy_checkpoint(src, tmp_path / "tied", tensors=head_only))
+
+    # A config that says tied over a checkpoint that saved a head of its own, unlike the
+    # embedding: transformers keeps the saved head, so the logits are the head's.
+    untied = checkpoints["qwen2"][0]
+    tied_config = _copy_checkpoint(
+        untied, tmp_path / "distinct", lambda c: c.update(tie_word_embeddings=True)
+    )
+    assert not load_model(tied_config, TPGroup(), torch.float32, "cpu").config.tie_word_embeddings
+    check(tied_config)
+    # Qwen's MLP has no bias whatever config.json says (transformers reads no mlp_bias).
+    check(
+        _copy_checkpoint(
+            checkpoints["qwen3"][0], tmp_path / "qwen_mlp", lambda c: c.update(mlp_bias=True)
+        )
+    )
 
 
 def test_bfloat16_runs_close_to_float32(checkpoints) -> None:

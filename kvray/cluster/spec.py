@@ -43,17 +43,30 @@ def resolve_dtype(requested: str, checkpoint: torch.dtype) -> str:
 
 
 def _eos_ids(path: Path, model_config: ModelConfig) -> tuple[int, ...]:
-    """EOS ids from config.json and generation_config.json (chat models often add the
-    end-of-turn token only in the latter)."""
-    ids = set(model_config.eos_token_ids)
+    """The EOS ids `generate` stops at: generation_config.json's where the checkpoint has
+    that file (chat models often name their end-of-turn token only there; one that names
+    none stops nowhere, as in transformers), config.json's otherwise."""
     gen = path / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(t) for t in eos)
-    return tuple(sorted(ids))
+    if not gen.is_file():
+        return tuple(sorted(set(model_config.eos_token_ids)))
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(sorted({int(eos)} if isinstance(eos, int) else {int(t) for t in eos}))
+
+
+def _check_tp_split(mc: ModelConfig, tp_size: int) -> None:
+    """Refuse, before any worker starts, a model whose shapes `tp_size` ranks cannot share:
+    query heads and MLP columns split evenly; KV heads split evenly or are replicated."""
+    for what, size in (
+        ("num_attention_heads", mc.num_heads),
+        ("intermediate_size", mc.intermediate_size),
+        ("num_key_value_heads", mc.num_kv_heads),
+    ):
+        try:
+            div_even(size, tp_size, allow_replicate=what == "num_key_value_heads")
+        except ValueError as e:
+            raise ValueError(f"tp_size {tp_size} cannot split the model's {what}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -74,8 +87,7 @@ class EngineSpec:
     def resolve(cls, config: EngineConfig, progress: bool = True) -> EngineSpec:
         path = resolve_model_path(config.model, progress)
         mc = ModelConfig.from_pretrained(path)
-        div_even(mc.num_heads, config.tp_size)  # q heads must split evenly over TP ranks
-        div_even(mc.num_kv_heads, config.tp_size, allow_replicate=True)
+        _check_tp_split(mc, config.tp_size)
         dtype = resolve_dtype(config.dtype, mc.dtype)
         num_pages = config.num_pages
         if num_pages is None:

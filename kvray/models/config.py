@@ -48,7 +48,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool  # bias on q/k/v projections (Qwen2: always)
     o_bias: bool  # bias on the output projection (Llama/Qwen3 `attention_bias`)
-    mlp_bias: bool
+    mlp_bias: bool  # bias on the MLP projections (Llama `mlp_bias`; Qwen: never)
     qk_norm: bool  # per-head RMSNorm of q and k before rope (Qwen3)
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype  # the checkpoint's dtype (float32 when the config names none)
@@ -110,7 +110,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=True if is_qwen2 else attention_bias,
             o_bias=False if is_qwen2 else attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=False if is_qwen else bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
             dtype=_DTYPES[dtype_name],
@@ -142,14 +142,20 @@ def _parse_rope(cfg: dict[str, Any], max_positions: int) -> tuple[float, RopeSca
         raise ValueError("partial rotary embeddings are not supported")
     if rope_type == "default":
         return theta, None
+
+    def number(key: str) -> float:
+        if params.get(key) is None:
+            raise ValueError(f"{rope_type} rope scaling needs rope_scaling.{key}")
+        return float(params[key])
+
     if rope_type == "linear":
-        return theta, RopeScaling("linear", float(params["factor"]))
+        return theta, RopeScaling("linear", number("factor"))
     if rope_type == "llama3":
         return theta, RopeScaling(
             "llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
+            factor=number("factor"),
+            low_freq_factor=number("low_freq_factor"),
+            high_freq_factor=number("high_freq_factor"),
             original_max_position_embeddings=int(
                 params.get("original_max_position_embeddings") or max_positions
             ),

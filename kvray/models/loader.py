@@ -9,6 +9,7 @@ weight, int8 or FP8 with its scales elsewhere, is refused rather than read as nu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -47,7 +48,11 @@ def weight_files(path: Path) -> list[Path]:
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        pickled = sorted(p.name for p in [*path.glob("*.bin"), *path.glob("*.pt")])
+        found = (
+            f" (found {', '.join(pickled[:3])}: pickled weights are not read)" if pickled else ""
+        )
+        raise FileNotFoundError(f"no *.safetensors weights in {path}{found}")
     return files
 
 
@@ -103,6 +108,25 @@ def _check_tensor(name: str, src: Any, want: tuple[int, ...]) -> None:
         )
 
 
+def _read(files: list[Path], name: str) -> torch.Tensor:
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise KeyError(name)
+
+
+def _untie_distinct_head(config: ModelConfig, files: list[Path], names: set[str]) -> ModelConfig:
+    """A config that says tied, on a checkpoint whose LM head and embedding are both saved
+    and differ, is untied: transformers then keeps the two apart (it ties only what it
+    can without dropping a saved weight), and so must we to give its logits."""
+    if not (config.tie_word_embeddings and _EMBED in names and _HEAD in names):
+        return config
+    if torch.equal(_read(files, _EMBED), _read(files, _HEAD)):
+        return config
+    return dataclasses.replace(config, tie_word_embeddings=False)
+
+
 def load_model(
     path: str | Path,
     tp: TPGroup,
@@ -113,15 +137,15 @@ def load_model(
     """Build this rank's shard of the checkpoint at `path`, running in `dtype` on `device`
     (`small_batch_kernel`: see `LlamaForCausalLM.pack_weights`)."""
     path = Path(path)
-    config = ModelConfig.from_pretrained(path)
-    model = LlamaForCausalLM(config, tp, dtype, device)
-    shapes = _full_shapes(config)
-    expected = shapes.keys()
     files = weight_files(path)
     names: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             names.update(f.keys())
+    config = _untie_distinct_head(ModelConfig.from_pretrained(path), files, names)
+    model = LlamaForCausalLM(config, tp, dtype, device)
+    shapes = _full_shapes(config)
+    expected = shapes.keys()
     loaded: set[tuple[str, str, int]] = set()
     with torch.no_grad():
         for file in files:
