@@ -330,6 +330,10 @@ def create_app(
     async def models() -> Response:
         return _respond(serving.models())
 
+    @app.get("/v1/models/{model:path}")  # a model's name may hold slashes (org/name)
+    async def model(model: str) -> Response:
+        return _respond(serving.model(model))
+
     @app.get("/health")
     async def healthz() -> Response:
         if health is not None and not await health():

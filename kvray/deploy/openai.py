@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar
 
 from pydantic import BaseModel
 
@@ -48,6 +48,7 @@ from kvray.deploy.protocol import FinishReason as ResponseFinish
 from kvray.deploy.settings import ServeConfig
 from kvray.deploy.tools import ReplyStream
 from kvray.text import Logprob, OutputDelta, OutputState
+from kvray.text.token_bytes import TextOffsets, TokenBytes, token_text
 
 if TYPE_CHECKING:
     from kvray.text.prompt import Tokenizer
@@ -109,6 +110,7 @@ class OpenAIServing:
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
         self.limits = limits
         self.engine = engine
         self.metrics = metrics
@@ -121,6 +123,11 @@ class OpenAIServing:
             id=self.model_name, created=0, owned_by="kvray", max_model_len=self.limits.max_seq_len
         )
         return ModelList(data=[card])
+
+    def model(self, model: str) -> ModelCard:
+        """`GET /v1/models/{model}`: the card of the model this server serves, else 404."""
+        self._check_model(model)
+        return self.models().data[0]
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -163,17 +170,27 @@ class OpenAIServing:
         if req.stream:
             return ChunkStream(self._completion_chunks(req, prepared, gen, head), gen)
         await gen.wait()
-        choices = [self._completion_choice(req, i, out) for i, out in enumerate(gen.outputs)]
+        choices = [
+            self._completion_choice(req, i, out, self._offsets(req))
+            for i, out in enumerate(gen.outputs)
+        ]
         return Completion(**head, choices=choices, usage=_usage(prepared, gen.outputs))
 
+    def _offsets(self, req: CompletionRequest) -> TextOffsets:
+        return TextOffsets(self.token_bytes, req.skip_special_tokens is not False)
+
     def _completion_choice(
-        self, req: CompletionRequest, index: int, part: OutputState | OutputDelta, offset: int = 0
+        self,
+        req: CompletionRequest,
+        index: int,
+        part: OutputState | OutputDelta,
+        offsets: TextOffsets,
     ) -> CompletionChoice:
-        """A choice whole (`part` its OutputState) or one chunk of it (an OutputDelta whose
-        text starts at `offset` in the choice's text)."""
+        """A choice whole (`part` its OutputState) or one chunk of it (an OutputDelta;
+        `offsets` has counted the choice's tokens before it)."""
         logprobs = None
         if req.logprobs is not None:
-            logprobs = self._completion_logprobs(part.logprobs, offset)
+            logprobs = self._completion_logprobs(part.logprobs, offsets)
         finish = _finish(part.finish_reason)
         return CompletionChoice(
             index=index, text=part.text, logprobs=logprobs, finish_reason=finish
@@ -182,9 +199,8 @@ class OpenAIServing:
     async def _completion_chunks(
         self, req: CompletionRequest, prepared: Prepared, gen: Generation, head: _Head
     ) -> AsyncGenerator[Completion, None]:
-        # Where each choice's next chunk starts, counted as the whole response's text_offset
-        # counts: over the texts of the tokens sent so far.
-        offsets = [0] * len(gen.outputs)
+        # Where each choice's next token's text starts, over the tokens sent so far.
+        offsets = [self._offsets(req) for _ in gen.outputs]
         # Each choice's logprobs of tokens whose text is still held back (part of a
         # character, a possible stop string): they go out with the next chunk sent, so the
         # stream carries every token's logprob, as the whole response would.
@@ -198,8 +214,6 @@ class OpenAIServing:
                 d = dataclasses.replace(d, logprobs=tuple(held[c.index]))
                 held[c.index].clear()
                 choice = self._completion_choice(req, c.index, d, offsets[c.index])
-                if req.logprobs is not None:
-                    offsets[c.index] += sum(len(self._token_text(t)) for t, _, _ in d.logprobs)
                 yield Completion(**head, choices=[choice])
         if req.include_usage:
             yield Completion(**head, choices=[], usage=_usage(prepared, gen.outputs))
@@ -266,33 +280,39 @@ class OpenAIServing:
 
     # -- logprobs ----------------------------------------------------------------------------
 
+    # A token is named by its own bytes (kvray/text/token_bytes.py), not by decoding it alone:
+    # the tokens of a character split over several each keep their part of it.
+
     def _token_text(self, token_id: int) -> str:
-        return cast(str, self.tokenizer.decode([token_id]))
+        return token_text(self.token_bytes(token_id))
 
     def _chat_logprobs(self, entries: Sequence[Logprob]) -> ChatLogprobs:
         content = []
         for tok, lp, top in entries:
-            s = self._token_text(tok)
+            raw = self.token_bytes(tok)
             tops = [
-                TopLogprob(token=(t := self._token_text(i)), logprob=v, bytes=list(t.encode()))
-                for i, v in (top or ())
+                TopLogprob(token=token_text(b), logprob=v, bytes=list(b))
+                for b, v in ((self.token_bytes(i), v) for i, v in (top or ()))
             ]
             content.append(
-                TokenLogprob(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=tops)
+                TokenLogprob(token=token_text(raw), logprob=lp, bytes=list(raw), top_logprobs=tops)
             )
         return ChatLogprobs(content=content)
 
     def _completion_logprobs(
-        self, entries: Sequence[Logprob], offset: int = 0
+        self, entries: Sequence[Logprob], offsets: TextOffsets
     ) -> CompletionLogprobs:
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        out.text_offset = offsets.starts(tok for tok, _, _ in entries)
         for tok, lp, top in entries:
-            s = self._token_text(tok)
-            out.tokens.append(s)
+            out.tokens.append(self._token_text(tok))
             out.token_logprobs.append(lp)
-            out.top_logprobs.append({self._token_text(i): v for i, v in top} if top else None)
-            out.text_offset.append(offset)
-            offset += len(s)
+            tops: dict[str, float] | None = None
+            if top:
+                tops = {}
+                for i, v in top:  # best first; two ids of the same bytes keep the better
+                    tops.setdefault(self._token_text(i), v)
+            out.top_logprobs.append(tops)
         return out
 
 

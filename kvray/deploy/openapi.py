@@ -25,6 +25,7 @@ from kvray.deploy.protocol import (
     CompletionRequest,
     ErrorResponse,
     Health,
+    ModelCard,
     ModelList,
 )
 
@@ -72,6 +73,7 @@ def build_openapi(
         (ChatCompletion, "serialization"),
         (ChatCompletionChunk, "serialization"),
         (ModelList, "serialization"),
+        (ModelCard, "serialization"),
         (ErrorResponse, "serialization"),
         (Health, "serialization"),
     ]
@@ -144,6 +146,14 @@ def build_openapi(
             op["security"] = []
         return {"get": op}
 
+    retrieve = get(
+        "/v1/models/{model}", "Retrieve model", {"application/json": {"schema": ref(ModelCard)}}
+    )
+    retrieve["get"]["parameters"] = [
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    retrieve["get"]["responses"]["404"] = errors["404"]
+
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {
@@ -164,6 +174,7 @@ def build_openapi(
             "/v1/models": get(
                 "/v1/models", "List models", {"application/json": {"schema": ref(ModelList)}}
             ),
+            "/v1/models/{model}": retrieve,
             "/health": get(
                 "/health",
                 "Health: a one-token generation step ran",

@@ -45,6 +45,9 @@ def test_health_and_models(http: httpx.Client, client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].object == "model"
+    assert client.models.retrieve(MODEL) == models.data[0]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/other-model")
 
 
 def test_chat_answers_paris_with_exact_usage(client: openai.OpenAI, tokenizer: Any) -> None:
@@ -400,6 +403,47 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
                 chunks += 1
         assert toks == lp.tokens and offs == lp.text_offset
         assert chunks == (6 if stop is None else 5)
+
+
+def test_logprobs_of_characters_split_over_tokens(client: openai.OpenAI, tokenizer: Any) -> None:
+    """An emoji is several byte-level tokens: each keeps its own bytes (chat's `bytes`
+    join to the content; no U+FFFD), top_logprobs keys stay apart (the chosen token keeps
+    its own entry), and text offsets count characters of the text."""
+    prompt = "Emojis: \U0001f600\U0001f603\U0001f604\U0001f601\U0001f606"
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=8,
+        logprobs=5,
+        extra_body={"ignore_eos": True},
+    )
+    c = r.choices[0]
+    lp = c.logprobs
+    ids = tokenizer(c.text, add_special_tokens=False)["input_ids"]
+    assert any(ord(ch) > 0xFFFF for ch in c.text) and len(ids) > len(c.text)  # split characters
+    assert "\ufffd" not in "".join(lp.tokens) and any("\\x" in t for t in lp.tokens)
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 5 and top[tok] == pytest.approx(v, abs=1e-4)
+        assert v == pytest.approx(max(top.values()), abs=1e-4)  # greedy
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert lp.text_offset[-1] <= len(c.text)  # (a character the last tokens began is dropped)
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    special = {tokenizer.decode([i]) for i in tokenizer.all_special_ids}
+    joined = b"".join(bytes(e.bytes) for e in content if e.token not in special)
+    assert joined.decode("utf-8", errors="ignore") == chat.choices[0].message.content
+    for e in content:
+        assert e.top_logprobs[0].bytes == e.bytes and "\ufffd" not in e.token
 
 
 # -- malformed input ----------------------------------------------------------------------------

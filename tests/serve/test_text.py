@@ -203,3 +203,74 @@ def test_the_itl_target_is_on_for_a_server_and_a_flag_turns_it_off() -> None:
     assert parsed("--itl-target-ms", "none") is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--itl-target-ms", "fast"])
+
+
+# -- logprobs: each token's own bytes -------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(TEXT)
+def test_token_bytes_join_to_the_text(tokenizer: Any, text: str) -> None:
+    """A byte-level vocabulary's tokens hold whole bytes: joined they are the text, also
+    where one character is split over several tokens (each keeps its part, named with \\x
+    escapes), and each token's text starts where the detokenized text says."""
+    from kvray.text.token_bytes import TextOffsets, TokenBytes, token_text
+
+    token_bytes = TokenBytes(tokenizer)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    raw = [token_bytes(i) for i in ids]
+    assert b"".join(raw) == text.encode()
+    for b in raw:
+        try:
+            assert token_text(b) == b.decode()
+        except UnicodeDecodeError:  # part of a character: its bytes escaped, never U+FFFD
+            assert "\\x" in token_text(b) and "\ufffd" not in token_text(b)
+    starts = TextOffsets(token_bytes).starts(ids)
+    for k, start in enumerate(starts):
+        # the complete characters of the tokens before this one
+        assert start == len(b"".join(raw[:k]).decode("utf-8", errors="ignore"))
+
+
+def test_token_bytes_of_a_split_emoji(tokenizer: Any) -> None:
+    from kvray.text.token_bytes import TextOffsets, TokenBytes, token_text
+
+    token_bytes = TokenBytes(tokenizer)
+    ids = tokenizer("a😀b", add_special_tokens=False)["input_ids"]
+    raw = [token_bytes(i) for i in ids]
+    assert len(raw) > 3 and b"".join(raw) == "a😀b".encode()  # the emoji is in pieces
+    names = [token_text(b) for b in raw]
+    assert len(set(names)) == len(names) and all("\ufffd" not in n for n in names)
+    assert "\\xf0" in "".join(names)
+    assert TextOffsets(token_bytes).starts(ids) == [0] + [1] * (len(ids) - 2) + [2]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert token_bytes(im_end) == b"<|im_end|>"
+    # special tokens are left out of the text (skip_special_tokens), so take no room in it
+    assert TextOffsets(token_bytes).starts([im_end, *ids]) == [
+        0,
+        0,
+        *TextOffsets(token_bytes).starts(ids)[1:],
+    ]
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary() -> None:
+    """Llama 2's kind of vocabulary: `▁` for a space, `<0xAB>` pieces for bytes no piece
+    holds (byte fallback)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from kvray.text.token_bytes import TokenBytes
+
+    vocab = {
+        "<unk>": 0,
+        "\u2581": 1,
+        "a": 2,
+        "\u2581a": 3,
+        **{f"<0x{b:02X}>": 4 + b for b in range(256)},
+    }
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "a")], byte_fallback=True))
+    core.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    token_bytes = TokenBytes(PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>"))
+    assert token_bytes(3) == b" a" and token_bytes(1) == b" " and token_bytes(2) == b"a"
+    assert [token_bytes(4 + b) for b in "😀".encode()] == [bytes([b]) for b in "😀".encode()]
