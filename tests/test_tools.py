@@ -103,14 +103,32 @@ def test_auto_reply_streamed_in_any_pieces(cuts: list[int]) -> None:
         shown += text
         deltas += calls
         assert "<" not in shown or last
-    assert shown.strip() == "Let me check." and stream.called
+    assert shown == "Let me check.\n" and stream.called
     assert [(d.index, d.function.name) for d in deltas] == [(0, "get_weather"), (1, "get_time")]
     assert json.loads(deltas[0].function.arguments) == {"city": "Paris"}
+    # the whole reply's content is what the stream showed, whatever its pieces
     content, whole = mode().reply(AUTO_REPLY, FinishReason.STOP)
-    assert content == "Let me check." and [c.function.name for c in whole] == [
-        "get_weather",
-        "get_time",
-    ]
+    assert content == shown and [c.function.name for c in whole] == ["get_weather", "get_time"]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(
+    before=st.sampled_from(["", "  ", "Let me check. ", "Sure.\n\n"]),
+    after=st.sampled_from(["", " ", " Done.", "\nThen I will answer."]),
+    cuts=st.lists(st.integers(0, 200), max_size=8),
+)
+def test_streamed_content_joins_to_the_whole_replys(
+    before: str, after: str, cuts: list[int]
+) -> None:
+    reply = f'{before}<tool_call>{{"name": "get_time", "arguments": {{}}}}</tool_call>{after}'
+    bounds = [0, *sorted(min(c, len(reply)) for c in cuts), len(reply)]
+    stream, shown = ReplyStream(mode()), ""
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        text, _ = stream.push(reply[a:b], FinishReason.STOP if i == len(bounds) - 2 else None)
+        shown += text
+    content, calls = mode().reply(reply, FinishReason.STOP)
+    assert [c.function.name for c in calls] == ["get_time"] and stream.called
+    assert (content or "") == shown
 
 
 def test_replies_that_are_not_calls_stay_text() -> None:

@@ -151,9 +151,22 @@ class ToolMode:
     # -- out: tool calls -----------------------------------------------------------------------
 
     def reply(self, text: str, finish: FinishReason) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a finished reply: a named function's call whatever
-        ended it (as streamed, its arguments flow as they come); otherwise the calls of a
-        reply that stopped by itself."""
+        """(content, tool calls) of a finished reply, as its stream would give them: the
+        text a stream shows before a call may begin (`ReplyStream`), then `reply_tail` of
+        the rest. So the streamed content, joined, is the whole reply's."""
+        if self.kind in ("none", "named"):
+            return self.reply_tail(text, finish)
+        stream = ReplyStream(self)
+        shown, _ = stream.push(text, None)
+        content, calls = self.reply_tail(text[len(shown) :], finish)
+        if not calls:
+            return text, []
+        return (shown + (content or "")) or None, calls
+
+    def reply_tail(self, text: str, finish: FinishReason) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of what a stream held of a finished reply (all of it
+        unstreamed): a named function's call whatever ended it (as streamed, its arguments
+        flow as they come); otherwise the calls of a reply that stopped by itself."""
         if self.kind == "named" or finish is FinishReason.STOP:
             return self.parse(text)
         return text, []
@@ -261,7 +274,7 @@ class ReplyStream:
         shown = "" if self._held else self._show(self._safe_end())
         if finish is None:
             return shown, []
-        content, calls = self.mode.reply(self.text[self._shown :], finish)
+        content, calls = self.mode.reply_tail(self.text[self._shown :], finish)
         if not calls:
             return shown + self._show(len(self.text)), []
         self.called = True
