@@ -11,7 +11,7 @@ import enum
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +165,41 @@ class RequestRejected(ValueError):
 
     def __reduce__(self) -> tuple[type[RequestRejected], tuple[str, str | None]]:
         return (type(self), (str(self), self.param))  # keeps `param` across processes
+
+
+def check_prompt(
+    input_ids: Sequence[int], max_tokens: int, max_seq_len: int, vocab_size: int | None
+) -> None:
+    """The check of a prompt against an engine's limits (the scheduler's, on every
+    request; the server also runs it on a request of several choices before submitting
+    any, so that none is taken and then withdrawn): token ids in the vocabulary, and
+    prompt + max_tokens within the longest sequence the engine holds."""
+    n, limit = len(input_ids), max_seq_len
+    if n == 0:
+        raise RequestRejected("the prompt is empty", "prompt")
+    if vocab_size is not None:
+        for t in input_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise RequestRejected(
+                    f"token id {t!r} is not in this model's vocabulary [0, {vocab_size})",
+                    "prompt",
+                )
+    where = (
+        f"this engine's maximum sequence length of {limit} tokens (the smaller of the "
+        "model context and the KV pool)"
+    )
+    if n >= limit:
+        raise RequestRejected(
+            f"the prompt has {n} tokens, which leaves no room to generate within {where}; "
+            "shorten the prompt",
+            "prompt",
+        )
+    if n + max_tokens > limit:
+        raise RequestRejected(
+            f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
+            f"exceeds {where}; shorten the prompt or lower max_tokens",
+            "max_tokens",
+        )
 
 
 class ReqStatus(enum.Enum):

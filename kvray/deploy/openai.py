@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar
 
 from pydantic import BaseModel
 
-from kvray.core import FinishReason, RequestRejected
+from kvray.core import FinishReason, RequestRejected, check_prompt
 from kvray.deploy.generation import AsyncEngineClient, EngineLimits, Generation
 from kvray.deploy.metrics import RequestMetrics
 from kvray.deploy.prepare import Prepared, Preparer
@@ -150,6 +150,17 @@ class OpenAIServing:
         if self.metrics is not None and prepared.constrained:
             self.metrics.constrained_requests.inc()
         try:
+            if len(prepared.jobs) > 1:  # refused before any choice is taken and withdrawn
+                checked: set[int] = set()
+                for job in prepared.jobs:
+                    if id(job.prompt_ids) not in checked:  # a prompt's n choices share its ids
+                        checked.add(id(job.prompt_ids))
+                        check_prompt(
+                            job.prompt_ids,
+                            job.sampling.max_tokens,
+                            self.limits.max_seq_len,
+                            self.limits.vocab_size,
+                        )
             gen = await Generation.start(self.engine, prepared.jobs, self.tokenizer, self.metrics)
         except RequestRejected as e:
             raise prepared.rejected(e) from None

@@ -3,9 +3,11 @@ choices (prompt ids and SamplingParams; `n` per prompt).
 
 Only the server's own policy is applied here (`ServeConfig`'s max_tokens_default and
 max_tokens_cap, and special_tokens_in_messages for chat).
-Whether a prompt fits is checked once, by the engine, which knows its limits: its
-RequestRejected names the engine's fields (`prompt`, `max_tokens`), and `Prepared.rejected`
-turns it into the 400 that names the request's own field.
+Whether a prompt fits is checked by `kvray.core.check_prompt` against the engine's limits:
+by the engine on every request, and by the server first on a request of several choices
+(so none is taken and then withdrawn). Its RequestRejected names the engine's fields
+(`prompt`, `max_tokens`), and `Prepared.rejected` turns it into the 400 that names the
+request's own field.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from kvray.core import (
     StepPlan,
     StepResult,
     TokenEvent,
+    check_prompt,
     div_ceil,
     flat_positions,
 )
@@ -117,7 +118,7 @@ class Scheduler:
         """Queue a request, or raise RequestRejected if it can never be served."""
         if rid in self.reqs:
             raise RequestRejected(f"request id {rid} is already in use", "rid")
-        self._check_prompt(input_ids, sampling.max_tokens)
+        check_prompt(input_ids, sampling.max_tokens, self.max_seq_len, self.vocab_size)
         self._check_stop_ids(sampling.stop_token_ids)
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
@@ -140,37 +141,6 @@ class Scheduler:
         self.reqs[rid] = req
         self.waiting.append(req)
         return req
-
-    def _check_prompt(self, input_ids: Sequence[int], max_tokens: int) -> None:
-        """The one check of a prompt against the engine's limits (both front ends rely on
-        it; the server turns it into a 400 naming the request's field): token ids in the
-        vocabulary, and prompt + max_tokens within the longest sequence this engine holds."""
-        n, limit = len(input_ids), self.max_seq_len
-        if n == 0:
-            raise RequestRejected("the prompt is empty", "prompt")
-        if self.vocab_size is not None:
-            for t in input_ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise RequestRejected(
-                        f"token id {t!r} is not in this model's vocabulary [0, {self.vocab_size})",
-                        "prompt",
-                    )
-        where = (
-            f"this engine's maximum sequence length of {limit} tokens (the smaller of the "
-            "model context and the KV pool)"
-        )
-        if n >= limit:
-            raise RequestRejected(
-                f"the prompt has {n} tokens, which leaves no room to generate within {where}; "
-                "shorten the prompt",
-                "prompt",
-            )
-        if n + max_tokens > limit:
-            raise RequestRejected(
-                f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
-                f"exceeds {where}; shorten the prompt or lower max_tokens",
-                "max_tokens",
-            )
 
     def _check_stop_ids(self, stop_ids: Sequence[int]) -> None:
         """Stop token ids are token ids of this model: one outside its vocabulary could

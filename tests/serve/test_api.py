@@ -215,6 +215,21 @@ def test_n2_gives_two_indexed_choices(client: openai.OpenAI) -> None:
     assert per == {c.index: c.text for c in cmpl.choices}
 
 
+def test_a_choice_that_cannot_fit_refuses_the_request_before_any_runs(
+    client: openai.OpenAI,
+) -> None:
+    """Of several prompts (x n choices), one too long for the context: a 400 naming
+    `prompt`, and no sibling choice is taken and then aborted (the abort count stays)."""
+    aborted0 = ray.get(scheduler().stats.remote())["num_aborted"]
+    too_long = [100] * 9000
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[[100, 101], too_long], n=3, max_tokens=4)
+    assert e.value.body["param"] == "prompt" and "9000 tokens" in e.value.body["message"]
+    assert ray.get(scheduler().stats.remote())["num_aborted"] == aborted0
+    ok = client.completions.create(model=MODEL, prompt=[[100, 101]] * 2, n=2, max_tokens=2)
+    assert len(ok.choices) == 4
+
+
 def test_same_seed_same_sample_other_seed_differs(client: openai.OpenAI) -> None:
     def draw(seed: int) -> str:
         r = client.completions.create(
