@@ -10,8 +10,10 @@ from __future__ import annotations
 import enum
 import json
 import math
+import numbers
+import operator
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -106,6 +108,19 @@ class StructuredOutputsParams:
         return ("grammar", self.grammar)
 
 
+MAX_LOGPROBS = 20  # top alternatives a token may come with (vLLM's default max_logprobs)
+
+
+def _integer(name: str, value: object) -> int:
+    """`value` as an int (a Python or numpy integer), else a ValueError naming `name`."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. temperature 0 is greedy."""
@@ -114,7 +129,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no limit
     min_p: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the rest of the context (as in vLLM)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -129,12 +144,25 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        # Types first, each named (a wrong one would otherwise fail deep in a step, or pass
+        # as something else: max_tokens=2.5). Integers may be numpy's; bools are not numbers.
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        for name in ("top_k", "max_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None or name == "top_k":
+                object.__setattr__(self, name, _integer(name, value))
         # Accept lists from callers while keeping the dataclass hashable and frozen.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, Iterable) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.stop_token_ids, Iterable):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        ids = tuple(_integer("stop_token_ids", t) for t in self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", ids)
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -143,10 +171,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (no limit) or >= 0, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
@@ -168,7 +196,7 @@ class RequestRejected(ValueError):
 
 
 def check_prompt(
-    input_ids: Sequence[int], max_tokens: int, max_seq_len: int, vocab_size: int | None
+    input_ids: Sequence[int], max_tokens: int | None, max_seq_len: int, vocab_size: int | None
 ) -> None:
     """The check of a prompt against an engine's limits (the scheduler's, on every
     request; the server also runs it on a request of several choices before submitting
@@ -194,7 +222,7 @@ def check_prompt(
             "shorten the prompt",
             "prompt",
         )
-    if n + max_tokens > limit:
+    if max_tokens is not None and n + max_tokens > limit:
         raise RequestRejected(
             f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
             f"exceeds {where}; shorten the prompt or lower max_tokens",
@@ -254,6 +282,7 @@ class Req:
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
             self.prompt_len = len(self.input_ids)
+        assert self.sampling.max_tokens is not None  # the scheduler resolved a None
         self.max_device_len = self.prompt_len + self.sampling.max_tokens
 
     @property

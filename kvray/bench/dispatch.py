@@ -270,7 +270,11 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvray bench dispatch",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300, help="timed plans of each kind")
     ap.add_argument("--warmup", type=int, default=500, help="untimed empty plans first")

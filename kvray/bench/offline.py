@@ -229,7 +229,11 @@ _DEFAULTS = EngineConfig.model_fields  # the engine's own defaults, where the be
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvray bench offline",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
     ap.add_argument(
         "--random-model",
@@ -284,6 +288,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.num_requests < 1:
+        ap.error("--num-requests must be at least 1")
+    for flag, (low, high) in (("--input-len", args.input_len), ("--output-len", args.output_len)):
+        if not 1 <= low <= high:
+            ap.error(f"{flag} is a range MIN MAX with 1 <= MIN <= MAX, got {low} {high}")
 
     if "vllm" in args.baseline:  # say so now, not after the kvray run
         from kvray.bench import vllm_baseline

@@ -309,7 +309,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from kvray.config import EngineConfig
 
     defaults = EngineConfig.model_fields  # the engine's own, where the bench keeps them
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvray bench prefix",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--groups", type=int, default=8, help="distinct shared prefixes")
     ap.add_argument("--per-group", type=int, default=16, help="requests per shared prefix")
     ap.add_argument("--prefix-len", type=int, default=1024, help="shared prefix tokens")

@@ -93,7 +93,11 @@ def bench_decode(
 
 
 def main(argv: list[str] | None = None) -> list[SchedulerBenchResult]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvray bench scheduler",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--running", type=int, default=256)
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--steps", type=int, default=500)

@@ -468,7 +468,9 @@ def print_comparison(rows: list[dict[str, Any]], engines: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvray bench serve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="the API base URL, as `kvray serve` prints it (.../v1)")
     where.add_argument(

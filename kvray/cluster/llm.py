@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,8 @@ from kvray.core import FinishReason, SamplingParams, TokenEvent
 from kvray.grammar import GrammarCompiler, compiler_for
 from kvray.text import Message, OutputState, chat_ids, encode, load_tokenizer
 
-Prompt = str | Sequence[int]
+# Text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 @dataclass
@@ -26,7 +28,10 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # each token's, when asked for
+    # With SamplingParams.logprobs > 0, each token's most likely alternatives (token id ->
+    # logprob, the chosen token included, as in vLLM).
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
@@ -68,6 +73,7 @@ class LLM:
             self.spec = EngineSpec.resolve(self.config, progress=progress)
             self.engine = LocalEngine(self.config, self.spec)
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.spec.model_path)
+        self._closed = False
 
     def __enter__(self) -> LLM:
         return self
@@ -76,24 +82,48 @@ class LLM:
         self.shutdown()
 
     def shutdown(self) -> None:
+        """Release the engine (a Ray engine's actors; an in-process one's model and KV
+        pool). The LLM cannot generate afterwards."""
+        if self._closed:
+            return
+        self._closed = True
         self.engine.shutdown()
+        del self.engine
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: text (tokenized), token ids (Python or numpy integers), or
+        a vLLM prompt dict."""
+        if isinstance(prompt, Mapping):
+            keys = set(prompt) & {"prompt", "prompt_token_ids"}
+            if len(keys) != 1:
+                raise ValueError(
+                    "a prompt dict needs exactly one of 'prompt' (text) or 'prompt_token_ids', "
+                    f"got keys {sorted(prompt)}"
+                )
+            prompt = prompt[keys.pop()]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
             return encode(self.tokenizer, prompt)
-        return list(prompt)
+        if not isinstance(prompt, Iterable) or isinstance(prompt, bytes):
+            raise TypeError(f"a prompt is text, token ids or a prompt dict, not {prompt!r}")
+        ids = list(prompt)
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"prompt token ids must be integers; item {i} is {t!r}")
+            ids[i] = int(t)
+        return ids
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
-        """One CompletionOutput per prompt, in order. Prompts are strings or token-id lists."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
+        """One CompletionOutput per prompt, in order. A prompt is text, token ids or a vLLM
+        prompt dict (`encode`); `prompts` is one of them or a list of them."""
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        if _is_one_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_ids = [self.encode(p) for p in prompts]  # type: ignore[union-attr]
         if sampling_params is None:
@@ -158,6 +188,15 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
 
+def _is_one_prompt(prompts: object) -> bool:
+    """Whether `generate`'s argument is a single prompt rather than a list of them."""
+    if isinstance(prompts, str | Mapping):
+        return True
+    if isinstance(prompts, Sequence) or hasattr(prompts, "__array__"):  # (a numpy array)
+        return len(prompts) > 0 and isinstance(prompts[0], numbers.Integral)  # type: ignore[arg-type,index]
+    return False
+
+
 def _completion(prompt_ids: list[int], state: OutputState) -> CompletionOutput:
     assert state.finish_reason is not None
     return CompletionOutput(
@@ -166,5 +205,6 @@ def _completion(prompt_ids: list[int], state: OutputState) -> CompletionOutput:
         text=state.text,
         finish_reason=state.finish_reason.value,
         logprobs=[lp for _, lp, _ in state.logprobs],
+        top_logprobs=[{**dict(top), tok: lp} for tok, lp, top in state.logprobs if top],
         num_cached_tokens=state.num_cached_tokens,
     )

@@ -32,6 +32,8 @@ class LocalEngine(EngineCore):
         device = device or config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device is cuda, but this process's torch sees no CUDA GPU")
         # In process the step is computed inside submit: nothing to overlap with.
         super().__init__(spec, LocalExecutor(spec.worker_spec(device)), max_inflight=1)
 

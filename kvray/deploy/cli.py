@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pydantic import ValidationError
+
 from kvray.attention import backend_names
 from kvray.config import EngineConfig
 from kvray.deploy.flags import add_model_flags, model_from_flags
@@ -23,9 +25,10 @@ def _generate(args: argparse.Namespace) -> int:
     from kvray import LLM, SamplingParams
     from kvray.core import RequestRejected
 
+    # The request's settings first: a bad one is an error before a model loads.
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     config = model_from_flags(EngineConfig, args)
     llm = LLM(**config.model_dump())
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     try:
         if getattr(llm.tokenizer, "chat_template", None) and not args.raw:
             out = llm.chat([{"role": "user", "content": args.prompt}], sp)[0]
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_flags(s, ServeConfig, choices=choices)
     # The serving process's own settings (not the app's: a serve config has its own).
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--address", default=None, help="Ray cluster to join (default: start one)")
     s.add_argument(
         "--direct-ingress",
@@ -184,7 +187,23 @@ def main(argv: list[str] | None = None) -> int:
         from kvray.workers.host_memory import reexec_with_tcmalloc
 
         reexec_with_tcmalloc()
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ValidationError as e:  # a setting out of range: the fields and what is wrong
+        for err in e.errors():
+            where = ".".join(str(x) for x in err["loc"]) or "settings"
+            print(f"error: {where}: {err['msg']}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:  # a bad model path, checkpoint or setting
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
+    return port
 
 
 if __name__ == "__main__":

@@ -43,9 +43,11 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
+from kvray.core import MAX_LOGPROBS
+
 MAX_N = 16
 MAX_STOP = 16
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
 # Names chat_template_kwargs may not set: the renderer's own arguments and the variables the
 # request fills from its other fields.
 RESERVED_TEMPLATE_KWARGS = frozenset(

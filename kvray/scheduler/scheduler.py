@@ -9,6 +9,7 @@ carries how long its step took, which the prefill budget (`budget.py`) learns fr
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import deque
@@ -119,6 +120,8 @@ class Scheduler:
         if rid in self.reqs:
             raise RequestRejected(f"request id {rid} is already in use", "rid")
         check_prompt(input_ids, sampling.max_tokens, self.max_seq_len, self.vocab_size)
+        if sampling.max_tokens is None:  # up to the rest of the context
+            sampling = dataclasses.replace(sampling, max_tokens=self.max_seq_len - len(input_ids))
         self._check_stop_ids(sampling.stop_token_ids)
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:

@@ -1,0 +1,87 @@
+"""The offline API's inputs as vLLM users write them: SamplingParams refuses wrong types by
+field; prompts as text, token ids (numpy's too) or vLLM prompt dicts; max_tokens None runs
+to the end of the context; logprobs come with their alternatives; a shut-down LLM refuses
+work; and `kvray generate` reports bad settings in one line, before loading a model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_checks import TINY_PROMPTS
+
+from kvray import LLM, SamplingParams
+from kvray.deploy.cli import main
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 2.5}, "max_tokens must be an integer"),
+        ({"max_tokens": True}, "max_tokens must be an integer"),
+        ({"logprobs": True}, "logprobs must be an integer"),
+        ({"logprobs": 21}, r"logprobs must be in \[0, 20\]"),
+        ({"seed": "7"}, "seed must be an integer"),
+        ({"stop": [1, 2]}, "stop must be a string or a list of strings"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of ints"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids must be an integer"),
+        ({"temperature": "hot"}, "temperature must be a number"),
+        ({"top_k": None}, "top_k must be an integer"),
+    ],
+)
+def test_sampling_params_refuse_wrong_types(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_take_numpy_integers_and_no_max_tokens() -> None:
+    sp = SamplingParams(max_tokens=np.int64(5), seed=np.int32(3), stop_token_ids=np.array([1, 2]))
+    assert (sp.max_tokens, sp.seed, sp.stop_token_ids) == (5, 3, (1, 2))
+    assert type(sp.max_tokens) is int and SamplingParams(max_tokens=None).max_tokens is None
+
+
+def test_prompt_forms_logprobs_and_shutdown(tiny) -> None:
+    path, refs = tiny["llama"]
+    ids, ref = TINY_PROMPTS[0], refs[0]
+    greedy = SamplingParams(temperature=0, max_tokens=len(ref))
+    with LLM(path, dtype="float32", progress=False) as llm:
+        forms = [ids, np.array(ids), {"prompt_token_ids": ids}, [{"prompt_token_ids": ids}]]
+        for prompt in forms:
+            (out,) = llm.generate(prompt, greedy)
+            assert out.token_ids == ref, prompt
+        text = "xqz"  # (ids within the tiny vocabulary)
+        (by_text,) = llm.generate({"prompt": text}, greedy)
+        assert by_text.token_ids == llm.generate(text, greedy)[0].token_ids
+        assert by_text.prompt_token_ids == llm.encode(text)
+        with pytest.raises(ValueError, match="exactly one of 'prompt'"):
+            llm.generate({"text": "hi"}, greedy)
+        with pytest.raises(TypeError, match="item 1 is 2.5"):
+            llm.generate([[1, 2.5]], greedy)
+
+        (out,) = llm.generate(ids, SamplingParams(temperature=0, max_tokens=4, logprobs=3))
+        assert len(out.logprobs) == len(out.top_logprobs) == 4
+        for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+            assert top[tok] == lp and len(top) == 3 and lp == max(top.values())  # greedy
+
+        # No max_tokens: up to the end of the context.
+        (out,) = llm.generate(ids, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+        assert len(ids) + len(out.token_ids) == llm.spec.max_seq_len
+        assert out.finish_reason == "length"
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(ids, greedy)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--max-tokens", "0"], "error: max_tokens must be >= 1"),
+        (["--temperature", "nan"], "error: temperature must be a finite number"),
+        (["--model", "/nonexistent/checkpoint"], "is not a Hugging Face checkpoint directory"),
+        (["--page-size", "0"], "error: page_size: Input should be greater than 0"),
+    ],
+)
+def test_generate_reports_bad_settings_in_one_line(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["generate", "--prompt", "hi", *flags]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
