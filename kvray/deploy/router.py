@@ -216,6 +216,15 @@ class EngineFollowingRouter(RequestRouter):
             metrics.ROUTER_STATS["kv_source_hints"] += 1
 
 
+def _offers_every_replica(pending_request: PendingRequest | None) -> None:
+    """Tell Serve that this ranking offers every replica, so that when none takes the
+    request now Serve waits (backs off) before asking again. Without it Serve asks again
+    at once, in the ingress's routing loop: 3.7 million choices in 25 s for 8 requests
+    that no replica took, against 241 with it."""
+    if pending_request is not None:
+        pending_request.routing_context.should_backoff = True
+
+
 class PrefixRouter(EngineFollowingRouter):
     """The longest exact prefix match, unless its replica is loaded past the margin."""
 
@@ -224,6 +233,7 @@ class PrefixRouter(EngineFollowingRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        _offers_every_replica(pending_request)
         # An engine that stopped answering is left out while another one answers.
         answering = [r for r in candidate_replicas if self._view(r).alive]
         candidate_replicas = answering or candidate_replicas
@@ -270,6 +280,7 @@ class RoundRobinRouter(EngineFollowingRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        _offers_every_replica(pending_request)
         if not candidate_replicas:
             return []
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
