@@ -55,7 +55,7 @@ def _eos_ids(path: Path, model_config: ModelConfig) -> tuple[int, ...]:
     return tuple(sorted({int(eos)} if isinstance(eos, int) else {int(t) for t in eos}))
 
 
-def _check_tp_split(mc: ModelConfig, tp_size: int) -> None:
+def check_tp_split(mc: ModelConfig, tp_size: int) -> None:
     """Refuse, before any worker starts, a model whose shapes `tp_size` ranks cannot share:
     query heads and MLP columns split evenly; KV heads split evenly or are replicated."""
     for what, size in (
@@ -87,7 +87,7 @@ class EngineSpec:
     def resolve(cls, config: EngineConfig, progress: bool = True) -> EngineSpec:
         path = resolve_model_path(config.model, progress)
         mc = ModelConfig.from_pretrained(path)
-        _check_tp_split(mc, config.tp_size)
+        check_tp_split(mc, config.tp_size)
         dtype = resolve_dtype(config.dtype, mc.dtype)
         num_pages = config.num_pages
         if num_pages is None:

@@ -50,8 +50,17 @@ def _serve(args: argparse.Namespace) -> int:
     if direct and args.address is not None:
         print("error: --direct-ingress needs a cluster this command starts", file=sys.stderr)
         return 2
+    from kvray.cluster.spec import check_tp_split, resolve_model_path
     from kvray.deploy.app import direct_ingress_env, own_cluster_env
+    from kvray.models import ModelConfig
     from kvray.net import wait_for_port
+
+    config = model_from_flags(ServeConfig, args)
+    # Resolve (and, for the embedded model, convert) once, here, with progress shown. A
+    # checkpoint kvray cannot run, or cannot split over --tp-size, is an error now, not in
+    # the engine replicas' logs once Ray and Serve are up.
+    path = resolve_model_path(config.model, progress=True)
+    check_tp_split(ModelConfig.from_pretrained(path), config.tp_size)
 
     # Serve's HTTP server binds without SO_REUSEADDR, so a restart within a minute of the
     # last server's connections would fail (and its direct ingress would then give up on
@@ -68,14 +77,11 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from kvray.cluster.spec import resolve_model_path
     from kvray.deploy.app import drain, live_placement_groups, start_app
 
-    config = model_from_flags(ServeConfig, args)
     if config.api_key is None and config.api_key_env is None and os.environ.get(API_KEY_ENV):
         config = config.model_copy(update={"api_key_env": API_KEY_ENV})
-    # Resolve (and, for the embedded model, convert) once, here, with progress shown.
-    settings = config.resolved(str(resolve_model_path(config.model, progress=True)))
+    settings = config.resolved(str(path))
     model_name = settings.served_model_name
     print(f"[kvray] starting Ray ({args.address or 'local'})...", file=sys.stderr, flush=True)
     ray.init(address=args.address, include_dashboard=False, configure_logging=False)

@@ -267,3 +267,19 @@ def test_direct_ingress_needs_a_cluster_of_its_own(capsys: pytest.CaptureFixture
 
     assert main(["serve", "--address", "127.0.0.1:1", "--direct-ingress"]) == 2
     assert "--direct-ingress needs a cluster this command starts" in capsys.readouterr().err
+
+
+def test_a_tp_size_the_model_cannot_split_is_refused_before_ray_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The embedded model's 9 query heads over 2 ranks: one error line naming the field,
+    before any Ray or Serve process (the engine replicas' logs would hold it otherwise)."""
+    import os
+
+    from kvray.deploy.cli import main
+
+    env = dict(os.environ)
+    assert main(["serve", "--tp-size", "2", "--address", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: tp_size 2 cannot split the model's num_attention_heads" in err
+    assert "starting Ray" not in err and dict(os.environ) == env
