@@ -451,6 +451,13 @@ def test_render_optional_pieces(helm_render, monkeypatch):
         ({"engine": {"tpSize": 4, "replicas": 2}}, "8 GPUs"),
         ({"engine": {"tpSize": 4}, "worker": {"replicas": 4, "maxReplicas": 4}}, "STRICT_PACK"),
         ({"worker": {"replicas": 3, "maxReplicas": 2}}, "worker.replicas"),
+        (  # 6 GPUs in all, but a 3-GPU pod holds one TP-2 engine: 2 of the 3 fit
+            {
+                "engine": {"tpSize": 2, "replicas": 3, "placementStrategy": "STRICT_PACK"},
+                "worker": {"gpusPerPod": 3, "replicas": 2, "minReplicas": 2, "maxReplicas": 2},
+            },
+            "hold 2 whole engines of TP 2",
+        ),
         ({"apiKey": {"enabled": True}}, "apiKey"),
     ],
 )

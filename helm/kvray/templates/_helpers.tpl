@@ -99,6 +99,13 @@ each other and that would otherwise leave placement groups pending forever.
 {{- if and (eq $e.placementStrategy "STRICT_PACK") (gt (int $e.tpSize) (int $w.gpusPerPod)) }}
 {{- fail (printf "engine.placementStrategy STRICT_PACK puts one engine's %d TP workers on one pod, but worker.gpusPerPod is %d; raise gpusPerPod or use PACK/SPREAD (NCCL across pods)" (int $e.tpSize) (int $w.gpusPerPod)) }}
 {{- end }}
+{{- if eq $e.placementStrategy "STRICT_PACK" }}
+{{- /* whole engines per pod: GPUs left over on a pod serve no engine */}}
+{{- $placeable := mul $pods (div (int $w.gpusPerPod) (int $e.tpSize)) }}
+{{- if gt (int $e.replicas) $placeable }}
+{{- fail (printf "engine.placementStrategy STRICT_PACK keeps each engine on one pod: %d pods x %d GPUs hold %d whole engines of TP %d, not engine.replicas = %d; raise worker.replicas%s or worker.gpusPerPod, or use PACK/SPREAD" $pods (int $w.gpusPerPod) $placeable (int $e.tpSize) (int $e.replicas) (ternary "/maxReplicas" "" .Values.autoscaling.enabled)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if and .Values.apiKey.enabled (not .Values.apiKey.existingSecret) (not .Values.apiKey.value) }}
 {{- fail "apiKey.enabled needs apiKey.existingSecret (a Secret you created) or apiKey.value" }}
