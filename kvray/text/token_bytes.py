@@ -69,9 +69,6 @@ class TokenBytes:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
-        self._byte_level = _has_byte_level(decoder)
         self._added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
         self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
         self._cache: dict[int, bytes] = {}
@@ -81,6 +78,14 @@ class TokenBytes:
         if raw is None:
             raw = self._cache[token_id] = self._lookup(token_id)
         return raw
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the vocabulary is byte-level BPE: read from the tokenizer's JSON (the
+        whole vocabulary, megabytes) on the first logprobs asked for, not at start-up."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+        return _has_byte_level(decoder)
 
     def _lookup(self, token_id: int) -> bytes:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
