@@ -260,6 +260,34 @@ def test_a_loaded_replica_loses_the_follow_up(
             ray.get(actor.abort.remote(rid))
 
 
+def test_requests_of_several_engine_calls_are_all_routed(
+    server: str, hf: Any, tokenizer_for_tiny: Any
+) -> None:
+    """A request of n choices over several prompts makes one engine call per (prompt,
+    choice), and Serve gives all of them the HTTP request's id: each must be routed."""
+    import concurrent.futures as cf
+
+    def post(i: int) -> dict[str, Any]:
+        prompts = [opening(60 + i)[: 20 + i], opening(70 + i)[:24]]
+        body = {"model": "tiny", "prompt": prompts, "max_tokens": TURN_TOKENS, "n": 2}
+        body.update(temperature=0, ignore_eos=True)
+        with httpx.Client(base_url=server, timeout=60) as c:
+            r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return {"prompts": prompts, "choices": r.json()["choices"]}
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(post, range(8)))
+    for reply in replies:
+        choices = sorted(reply["choices"], key=lambda ch: ch["index"])
+        assert len(choices) == 4
+        for ch in choices:
+            prompt = reply["prompts"][ch["index"] // 2]
+            want = hf_text(tokenizer_for_tiny, prompt, hf_greedy(hf, prompt, TURN_TOKENS))
+            assert ch["text"] == want
+    assert_clean()
+
+
 def _stream(base: str, prompt: list[int], out: dict[str, Any]) -> None:
     """One streamed completion read to its end: out["text"], out["done"], out["errors"]."""
     import json

@@ -120,6 +120,31 @@ class EngineFollowingRouter(RequestRouter):
         self._views: dict[ReplicaID, _EngineView] = {}
         self._polls: dict[ReplicaID, asyncio.Task[None]] = {}
 
+    def _fulfill_next_pending_request(
+        self, replica: RunningReplica, request_metadata: Any = None
+    ) -> None:
+        """Give `replica` to the request this routing task chose it for.
+
+        Serve's base router finds that request by its `internal_request_id`, but every
+        handle call made while serving one HTTP request inherits that request's id: a
+        request of `n` choices, or of several prompts, sends that many engine calls with
+        one id, Serve indexes only the first, and the others were never given a replica
+        (they hung). Each routing task routes one request at a time, so the request whose
+        routing task is the running task is the one `replica` was chosen for."""
+        by_future = getattr(self, "_routing_task_by_pending_request_future", None)
+        queue = getattr(self, "_pending_requests_to_fulfill", None)
+        task = asyncio.current_task()
+        if by_future is None or queue is None or task is None:
+            super()._fulfill_next_pending_request(replica, request_metadata)
+            return
+        for pending in queue:
+            if by_future.get(pending.future) is task and not pending.future.done():
+                self._record_queue_wait_time(pending)
+                pending.future.set_result(replica)
+                self._remove_pending_request_from_indices(pending)
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
