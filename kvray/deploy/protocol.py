@@ -570,11 +570,29 @@ def _content_shape(v: Any) -> Any:
 
 
 class ChatMessage(_Request):
+    model_config = ConfigDict(
+        json_schema_extra={  # what `_content_unless_assistant` checks, published
+            "if": {"properties": {"role": {"const": "assistant"}}},
+            "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        }
+    )
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[Text | list[TextPart] | None, BeforeValidator(_content_shape)] = None
+    # Only an assistant's message may leave it out (a reply that was only tool calls).
+    content: Annotated[Text | list[TextPart] | None, BeforeValidator(_content_shape)] = Field(
+        default=None, validate_default=True
+    )
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool message: the call it answers
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, v: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if v is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or text parts)")
+        return v
 
     def text(self) -> str:
         if self.content is None:

@@ -294,6 +294,23 @@ def test_error_texts_say_what_is_wrong(
     assert "<= 100" not in message, message
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": None}],
+        [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1"}],
+    ],
+    ids=["user-missing", "user-null", "tool-missing"],
+)
+def test_a_message_without_content_is_a_400(
+    http: httpx.Client, messages: list[dict[str, Any]]
+) -> None:
+    """Only an assistant's message (one that was only tool calls) may leave content out."""
+    where = f"messages[{len(messages) - 1}].content"
+    assert_400(http.post(CHAT, json={"messages": messages}), "messages", where, "needs content")
+
+
 # -- 5. aborts on the vLLM-style metrics --------------------------------------------------------
 
 
