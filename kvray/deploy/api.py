@@ -334,7 +334,7 @@ def create_app(
     async def model(model: str) -> Response:
         return _respond(serving.model(model))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def healthz() -> Response:
         if health is not None and not await health():
             return _error(503, "no engine can serve: the health probe's generation step failed")

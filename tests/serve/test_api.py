@@ -42,6 +42,8 @@ pytestmark = [
 def test_health_and_models(http: httpx.Client, client: openai.OpenAI) -> None:
     r = http.get("/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+    r = http.head("/health")  # load balancers probe with HEAD
+    assert r.status_code == 200 and r.content == b""
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].object == "model"
