@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
+from collections.abc import Callable
 
 from pydantic import ValidationError
 
@@ -42,14 +46,65 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
-    import signal
-    import threading
-
     direct = args.address is None if args.direct_ingress is None else args.direct_ingress
     if direct and args.address is not None:
         print("error: --direct-ingress needs a cluster this command starts", file=sys.stderr)
         return 2
+
+    # A signal before the app serves stops the start-up where it is (Ray's processes are
+    # shut down, not orphaned); after, it starts the drain below.
+    stop, serving = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, _: object) -> None:
+        stop.set()
+        if not serving.is_set():
+            raise _StoppedStarting(signal.Signals(signum).name)
+
+    def arm() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    arm()
+    try:
+        return _start_and_serve(args, direct, arm, stop, serving)
+    except _StoppedStarting as e:
+        print(f"[kvray] {e} before serving: stopping", file=sys.stderr, flush=True)
+        for sig in previous:  # a second signal must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        _stop_ray()
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _StoppedStarting(Exception):
+    """SIGINT or SIGTERM while `kvray serve` was starting."""
+
+
+def _stop_ray() -> None:
+    """Serve's app and then this process's Ray, each step bounded (when the whole process
+    group got the signal, Ray's own processes may already be gone)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from ray import serve
+
+    closer = threading.Thread(target=serve.shutdown, daemon=True)
+    closer.start()
+    closer.join(30)
+    ray.shutdown()
+
+
+def _start_and_serve(
+    args: argparse.Namespace,
+    direct: bool,
+    arm: Callable[[], None],
+    stop: threading.Event,
+    serving: threading.Event,
+) -> int:
     from kvray.cluster.spec import check_tp_split, resolve_model_path
     from kvray.deploy.app import direct_ingress_env, own_cluster_env
     from kvray.models import ModelConfig
@@ -85,6 +140,10 @@ def _serve(args: argparse.Namespace) -> int:
     model_name = settings.served_model_name
     print(f"[kvray] starting Ray ({args.address or 'local'})...", file=sys.stderr, flush=True)
     ray.init(address=args.address, include_dashboard=False, configure_logging=False)
+    # Ray's core worker installs its own SIGTERM handler (it exits at once, status 15) while
+    # ray.init runs: a signal in those seconds ends the process that way, and Ray's own
+    # processes go with it; from here on, ours stops the start-up or drains.
+    arm()
     print(
         f"[kvray] loading {model_name}: {settings.replicas} engine(s) x TP {settings.tp_size}...",
         file=sys.stderr,
@@ -93,10 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
     start_app(settings, args.host, args.port, direct_ingress=direct)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     print(f"[kvray] serving {model_name} at http://{host}:{args.port}/v1", flush=True)
-
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    serving.set()
     stop.wait()
     grace = args.shutdown_grace_s
     print(f"[kvray] draining (up to {grace:g} s)...", file=sys.stderr, flush=True)

@@ -283,3 +283,38 @@ def test_a_tp_size_the_model_cannot_split_is_refused_before_ray_starts(
     err = capsys.readouterr().err
     assert "error: tp_size 2 cannot split the model's num_attention_heads" in err
     assert "starting Ray" not in err and dict(os.environ) == env
+
+
+@pytest.mark.timeout(200)
+def test_a_signal_while_the_engines_load_stops_cleanly(tmp_path: Path) -> None:
+    """SIGTERM once Ray is up but before the app serves (Kubernetes stopping a pod that is
+    still starting): exit status 0, and no Ray process of its session left behind."""
+    from kvray.models.embedded import ensure_embedded_model
+
+    ensure_embedded_model(progress=False)
+    stderr_path = tmp_path / "stderr.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvray.deploy.cli", "serve", "--port", str(port)]
+    with stderr_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
+        )
+    server = Server(proc, port, queue.Queue(), stderr_path)
+    try:
+        deadline = time.monotonic() + 120
+        while "[kvray] loading" not in stderr_path.read_text():
+            assert proc.poll() is None, f"exited with {proc.returncode}\n{server.stderr()}"
+            assert time.monotonic() < deadline, f"Ray did not start\n{server.stderr()}"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert_exited_cleanly(server, 60)
+        assert "[kvray] SIGTERM before serving: stopping" in server.stderr()
+    finally:
+        if proc.poll() is None or session_processes(proc.pid):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
