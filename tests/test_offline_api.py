@@ -52,6 +52,11 @@ def test_prompt_forms_logprobs_and_shutdown(tiny) -> None:
         (by_text,) = llm.generate({"prompt": text}, greedy)
         assert by_text.token_ids == llm.generate(text, greedy)[0].token_ids
         assert by_text.prompt_token_ids == llm.encode(text)
+        # read as vLLM's RequestOutput: one choice, the prompt's text kept
+        assert by_text.prompt == text and by_text.finished
+        (choice,) = by_text.outputs
+        assert (choice.index, choice.text, choice.token_ids) == (0, by_text.text, by_text.token_ids)
+        assert choice.cumulative_logprob is None and out.prompt is None
         with pytest.raises(ValueError, match="exactly one of 'prompt'"):
             llm.generate({"text": "hi"}, greedy)
         with pytest.raises(TypeError, match="item 1 is 2.5"):
@@ -59,6 +64,7 @@ def test_prompt_forms_logprobs_and_shutdown(tiny) -> None:
 
         (out,) = llm.generate(ids, SamplingParams(temperature=0, max_tokens=4, logprobs=3))
         assert len(out.logprobs) == len(out.top_logprobs) == 4
+        assert out.cumulative_logprob == pytest.approx(sum(out.logprobs))
         for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
             assert top[tok] == lp and len(top) == 3 and lp == max(top.values())  # greedy
 

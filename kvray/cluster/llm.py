@@ -22,7 +22,11 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 
 @dataclass
 class CompletionOutput:
-    """One prompt's result: the generated tokens and their text."""
+    """One prompt's result: the generated tokens and their text.
+
+    It is also read the way vLLM's `RequestOutput` is: a request has one choice here, so
+    `outputs` is `[self]`, and code written for vLLM (`out.outputs[0].text`,
+    `out.prompt`, `out.prompt_token_ids`, `out.finished`) runs unchanged."""
 
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -33,6 +37,21 @@ class CompletionOutput:
     # logprob, the chosen token included, as in vLLM).
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt: str | None = None  # the prompt's text, when it was given as text
+    index: int = 0  # (vLLM: the choice's index within its request)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [self]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The generated tokens' summed logprobs (None unless logprobs were asked for)."""
+        return sum(self.logprobs) if self.logprobs else None
 
 
 class LLM:
@@ -123,9 +142,8 @@ class LLM:
         prompt dict (`encode`); `prompts` is one of them or a list of them."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
-        if _is_one_prompt(prompts):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_ids = [self.encode(p) for p in prompts]  # type: ignore[union-attr]
+        batch = [prompts] if _is_one_prompt(prompts) else list(prompts)  # type: ignore[arg-type]
+        prompt_ids = [self.encode(p) for p in batch]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -153,7 +171,11 @@ class LLM:
             for rid in live:
                 self.engine.abort(rid)
             raise
-        return [_completion(ids, state) for ids, state in zip(prompt_ids, states, strict=True)]
+        texts = [_prompt_text(p) for p in batch]
+        return [
+            _completion(ids, state, text)
+            for ids, state, text in zip(prompt_ids, states, texts, strict=True)
+        ]
 
     def grammar_compiler(self) -> GrammarCompiler:
         """This process's grammar compiler for the model (the in-process worker shares it)."""
@@ -197,9 +219,16 @@ def _is_one_prompt(prompts: object) -> bool:
     return False
 
 
-def _completion(prompt_ids: list[int], state: OutputState) -> CompletionOutput:
+def _prompt_text(prompt: Prompt) -> str | None:
+    if isinstance(prompt, Mapping):
+        prompt = prompt.get("prompt")  # type: ignore[assignment]
+    return prompt if isinstance(prompt, str) else None
+
+
+def _completion(prompt_ids: list[int], state: OutputState, prompt: str | None) -> CompletionOutput:
     assert state.finish_reason is not None
     return CompletionOutput(
+        prompt=prompt,
         prompt_token_ids=prompt_ids,
         token_ids=state.token_ids,
         text=state.text,
