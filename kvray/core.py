@@ -142,18 +142,33 @@ class SamplingParams:
     # Constrain the output to a grammar (None: free text). A constrained request ends on
     # one of its stop tokens once the grammar is complete.
     structured_outputs: StructuredOutputsParams | None = None
+    # Logit processing before any choice, greedy's too (vLLM's order and meanings): add
+    # `logit_bias` (token id -> bias, as OpenAI's); hold back the stop tokens (EOS and
+    # stop_token_ids) until `min_tokens` are out; divide a positive logit (multiply a
+    # negative one) by `repetition_penalty` for every token in the prompt or the output;
+    # subtract `frequency_penalty` x its count and `presence_penalty` once for every token
+    # in the output.
+    # (Given as a mapping; kept as (token id, bias) pairs in id order, so params hash.)
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         # Types first, each named (a wrong one would otherwise fail deep in a step, or pass
         # as something else: max_tokens=2.5). Integers may be numpy's; bools are not numbers.
-        for name in ("temperature", "top_p", "min_p"):
+        for name in _REAL_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-        for name in ("top_k", "max_tokens", "seed", "logprobs"):
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("top_k", "max_tokens", "seed", "logprobs", "min_tokens"):
             value = getattr(self, name)
-            if value is not None or name == "top_k":
+            if value is not None or name in ("top_k", "min_tokens"):
                 object.__setattr__(self, name, _integer(name, value))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         # Accept lists from callers while keeping the dataclass hashable and frozen.
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, Iterable) or not all(isinstance(s, str) for s in stop):
@@ -177,10 +192,68 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether its logits are changed before the choice (bias, min_tokens, penalties):
+        the worker then needs its prompt and output tokens (`Admission`)."""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+        )
+
+
+_REAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one logit_bias value
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...] | None:
+    """A logit_bias as (token id, bias) pairs in id order (None when empty), each checked."""
+    if bias is None:
+        return None
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    if not isinstance(items, Iterable) or isinstance(items, str | bytes):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+        key, value = item
+        if isinstance(key, str):
+            key = int(key) if key.strip().lstrip("-").isdigit() else key
+        token = _integer("logit_bias token id", key)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"logit_bias[{token}] must be a number, got {value!r}")
+        bias = float(value)
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value}")
+        out[token] = bias
+    return tuple(sorted(out.items())) or None
 
 
 class RequestRejected(ValueError):
@@ -324,11 +397,15 @@ class Admission:
     rid: int
     sampling: SamplingParams
     seed: int  # fixed per request, so every rank (and a replay) draws the same tokens
-    # Constrained requests only (`sampling.structured_outputs`): the tokens that end the
-    # grammar, and the tokens the request has already output, which a re-admitted
-    # (retracted or replayed) request's grammar matcher re-advances over before it masks.
+    # Constrained requests (`sampling.structured_outputs`) and those whose logits are
+    # processed (`sampling.processes_logits`) only: the tokens that end the request (the
+    # grammar's, or those min_tokens holds back), and the tokens it has already output,
+    # which a re-admitted (retracted or replayed) request's grammar matcher re-advances
+    # over before it masks and its penalties count. `prompt_ids` only with a
+    # repetition_penalty (which counts the prompt's tokens too).
     stop_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

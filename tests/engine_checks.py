@@ -7,6 +7,7 @@ The fixtures built on them (`engine_invariants`, `tiny`) live in conftest.py.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
@@ -63,6 +64,51 @@ def hf_greedy(hf, ids: list[int], max_new_tokens: int, stop_at_eos: bool = False
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens, **kw)
     return out[0, len(ids) :].tolist()
+
+
+class _OpenAIPenalties:
+    """HF logits processor: logit -= frequency * count + presence * (count > 0), counting
+    the generated tokens only (OpenAI's definition)."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores)
+        out = input_ids[:, self.prompt_len :]
+        counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def hf_processed(hf, prompt: list[int], sp: SamplingParams) -> list[int]:
+    """HF greedy generate with `sp`'s logit processing, stopping where kvray stops (its
+    stop_token_ids, and EOS unless ignore_eos)."""
+    from transformers import LogitsProcessorList
+
+    stop = list(sp.stop_token_ids)
+    if not sp.ignore_eos:
+        eos = hf.generation_config.eos_token_id
+        stop += [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    kw: dict[str, Any] = {"eos_token_id": stop or None}
+    if sp.repetition_penalty != 1.0:
+        kw["repetition_penalty"] = sp.repetition_penalty
+    if sp.min_tokens:
+        kw["min_new_tokens"] = sp.min_tokens
+    if sp.logit_bias:
+        kw["sequence_bias"] = {(tok,): bias for tok, bias in sp.logit_bias}  # type: ignore[union-attr]
+    if sp.frequency_penalty or sp.presence_penalty:
+        penalties = _OpenAIPenalties(len(prompt), sp.frequency_penalty, sp.presence_penalty)
+        kw["logits_processor"] = LogitsProcessorList([penalties])
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=sp.max_tokens,
+            pad_token_id=0,
+            **kw,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def assert_same_tokens(got: list[list[int]], want: list[list[int]], what: str) -> None:

@@ -393,7 +393,10 @@ def test_smollm2_tp3_matches_tp1_and_hf(kvray_ray_cluster, smol_refs) -> None:
 
 def test_tp2_speculative_decoding_matches_hf(kvray_ray_cluster, tiny) -> None:
     """n-gram drafts checked on two ranks: HF's greedy tokens exactly. Overlap scheduling
-    (drafts need every token known at planning) is refused beside them."""
+    (drafts need every token known at planning) is refused beside them. Requests with
+    penalties and a logit bias (which never draft) run beside them, and each rank
+    processes their logits alike: HF's tokens with the same processing."""
+    from engine_checks import hf_processed
     from transformers import AutoModelForCausalLM
 
     entry = tiny["kv2"]
@@ -401,6 +404,15 @@ def test_tp2_speculative_decoding_matches_hf(kvray_ray_cluster, tiny) -> None:
     loop = PROMPTS[1][:5] * 5
     prompts = [*PROMPTS, loop]
     want = [hf_greedy(hf, p, 40) for p in prompts]
+    processed = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, **kw)
+        for kw in (
+            {"repetition_penalty": 1.4},
+            {"frequency_penalty": 0.9, "presence_penalty": 0.3, "logit_bias": {loop[0]: -5.0}},
+        )
+    ]
+    want_processed = [hf_processed(hf, loop, sp) for sp in processed]
+    assert all(w != want[-1] for w in want_processed)
     with pytest.raises(ValueError, match="overlap_schedule"):
         LLM(model=str(entry["path"]), tp_size=2, overlap_schedule=True, speculative_tokens=4)
     llm, before = start_engine(
@@ -412,8 +424,11 @@ def test_tp2_speculative_decoding_matches_hf(kvray_ray_cluster, tiny) -> None:
         speculative_tokens=4,
     )
     try:
-        got = [o.token_ids for o in llm.generate(prompts, greedy(40))]
+        params = [greedy(40)] * len(prompts) + processed
+        outs = [o.token_ids for o in llm.generate([*prompts, loop, loop], params)]
+        got, got_processed = outs[: len(prompts)], outs[len(prompts) :]
         assert_same(got, want, "TP 2 with drafts vs Hugging Face")
+        assert_same(got_processed, want_processed, "TP 2 with penalties vs Hugging Face")
         stats = llm.engine.stats()
         assert stats["accepted_draft_tokens"] > 0
         assert stats["draft_tokens"] > stats["accepted_draft_tokens"]

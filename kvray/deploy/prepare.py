@@ -103,7 +103,18 @@ class Preparer:
             )
         return [self._document_start]
 
+    def _check_bias(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        vocab = self.engine.vocab_size
+        for key in req.logit_bias or ():
+            if vocab is not None and int(key) >= vocab:
+                raise APIError(
+                    400,
+                    f"logit_bias: token id {key} is not in this model's vocabulary [0, {vocab})",
+                    "logit_bias",
+                )
+
     def completion(self, req: CompletionRequest) -> Prepared:
+        self._check_bias(req)
         structured = self._structured(req, ToolMode("none"))
         given = req.prompts()
         if given is None:
@@ -124,6 +135,7 @@ class Preparer:
         return Prepared(tuple(jobs), tuple(len(p) for p in prompts), fields)
 
     def chat(self, req: ChatCompletionRequest) -> Prepared:
+        self._check_bias(req)
         tools = ToolMode.of(req)
         structured = self._structured(req, tools)
         native = template_renders_tools(getattr(self.tokenizer, "chat_template", None))
@@ -178,7 +190,17 @@ def _sampling(
 ) -> SamplingParams:
     # n choices of one seeded request differ from each other, and each is reproducible.
     seed = None if req.seed is None else (req.seed + choice) % (2**63)
+    min_tokens = req.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise APIError(
+            400, f"min_tokens is {min_tokens}, more than max_tokens ({max_tokens})", "min_tokens"
+        )
     return SamplingParams(
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        min_tokens=min_tokens,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k is None else req.top_k,

@@ -4,9 +4,9 @@ Requests accept what OpenAI clients send, and vLLM's extra fields; other unknown
 are ignored (as vLLM does). Every field the OpenAI reference marks nullable accepts `null`,
 which means its default (`docs/api.md` has the table). `max_tokens: null` keeps vLLM's
 meaning instead: no limit from the client, so the server's default applies. Fields kvray
-cannot honour (penalties, logit_bias, echo, suffix, best_of != n, and the vLLM extras
-marked `_Only`) are refused with a 400 naming the field, unless they hold the value that
-changes nothing, rather than silently ignored.
+cannot honour (echo, suffix, best_of != n, and the vLLM extras marked `_Only`) are refused
+with a 400 naming the field, unless they hold the value that changes nothing, rather than
+silently ignored.
 
 Structured outputs come in every spelling vLLM accepts: `response_format` (OpenAI's
 `json_object` and `json_schema`), the `structured_outputs` object (`json`, `regex`,
@@ -393,9 +393,13 @@ class _SamplingFields(_Request):
     ignore_eos: StrictBool | None = Field(default=False, description="vLLM extra")
     include_stop_str_in_output: StrictBool | None = Field(default=False, description="vLLM extra")
     skip_special_tokens: StrictBool | None = Field(default=True, description="vLLM extra")
+    min_tokens: Int | None = Field(
+        default=None, ge=0, description="vLLM extra: EOS and stop_token_ids wait for this many"
+    )
+    repetition_penalty: StrictFloat | None = Field(
+        default=None, gt=0.0, description="vLLM extra: > 1 discourages prompt and output tokens"
+    )
     # vLLM extras kvray does not implement: only their neutral value.
-    min_tokens: Annotated[Any, _Only(0)] = None
-    repetition_penalty: Annotated[Any, _Only(1)] = None
     length_penalty: Annotated[Any, _Only(1)] = None
     use_beam_search: Annotated[Any, _Only(False)] = None
     prompt_logprobs: Annotated[Any, _Only()] = None
@@ -410,14 +414,18 @@ class _SamplingFields(_Request):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    presence_penalty: StrictFloat | None = Field(
-        default=None, ge=-2.0, le=2.0, json_schema_extra=_published({"const": 0})
-    )
-    frequency_penalty: StrictFloat | None = Field(
-        default=None, ge=-2.0, le=2.0, json_schema_extra=_published({"const": 0})
-    )
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, StrictFloat] | None = Field(
-        default=None, json_schema_extra=_published({"type": "object", "maxProperties": 0})
+        default=None,
+        description="token id -> bias in [-100, 100], added to the logit",
+        json_schema_extra=_published(
+            {
+                "type": "object",
+                "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,8})$"},
+                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            }
+        ),
     )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = Field(
@@ -451,6 +459,16 @@ class _SamplingFields(_Request):
                 found.append((name, {key: value}))
         return found
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 9):
+                raise ValueError(f"keys are token ids (decimal strings); got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100]; got {bias}")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str] | None:
@@ -468,20 +486,6 @@ class _SamplingFields(_Request):
     def _options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> Any:
         if v is not None and "stream" in info.data and not info.data["stream"]:
             raise ValueError("only applies to a streamed response (send stream: true)")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError(f"penalties are not supported by kvray (send 0 or omit it), got {v}")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported by kvray (send {} or omit it)")
         return v
 
     @property

@@ -50,19 +50,22 @@ def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
 
 
 def _admission(req: Req) -> Admission:
-    """A row's admission. A constrained request also carries its stop tokens and the
-    tokens it has output so far (none on first admission; all of them after a retraction
-    or a replay, which is only re-admitted once no token of it is in flight), so the
-    worker's grammar matcher resumes exactly where the request is."""
-    if req.sampling.structured_outputs is None:
-        return Admission(req.table_idx, req.rid, req.sampling, req.seed)
+    """A row's admission. A constrained request, or one whose logits are processed, also
+    carries its stop tokens and the tokens it has output so far (none on first admission;
+    all of them after a retraction or a replay, which is only re-admitted once no token of
+    it is in flight), so the worker's grammar matcher and penalties resume exactly where
+    the request is; with a repetition penalty, its prompt too."""
+    sp = req.sampling
+    if sp.structured_outputs is None and not sp.processes_logits:
+        return Admission(req.table_idx, req.rid, sp, req.seed)
     return Admission(
         req.table_idx,
         req.rid,
-        req.sampling,
+        sp,
         req.seed,
         stop_ids=tuple(sorted(req.stop_ids)),
         output_ids=tuple(req.output_ids),
+        prompt_ids=tuple(req.input_ids[: req.prompt_len]) if sp.repetition_penalty != 1 else (),
     )
 
 
@@ -123,6 +126,7 @@ class Scheduler:
         if sampling.max_tokens is None:  # up to the rest of the context
             sampling = dataclasses.replace(sampling, max_tokens=self.max_seq_len - len(input_ids))
         self._check_stop_ids(sampling.stop_token_ids)
+        self._check_token_ids(dict(sampling.logit_bias or ()), "logit_bias")
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop |= self.eos_token_ids
@@ -148,13 +152,17 @@ class Scheduler:
     def _check_stop_ids(self, stop_ids: Sequence[int]) -> None:
         """Stop token ids are token ids of this model: one outside its vocabulary could
         never be sampled (and a grammar matcher refuses it outright)."""
+        self._check_token_ids(stop_ids, "stop_token_ids")
+
+    def _check_token_ids(self, ids: Iterable[int], field: str) -> None:
         if self.vocab_size is None:
             return
-        for t in stop_ids:
+        for t in ids:
             if not 0 <= t < self.vocab_size:
                 raise RequestRejected(
-                    f"stop token id {t} is not in this model's vocabulary [0, {self.vocab_size})",
-                    "stop_token_ids",
+                    f"{field}: token id {t} is not in this model's vocabulary "
+                    f"[0, {self.vocab_size})",
+                    field,
                 )
 
     def readmit(self, req: Req) -> None:
@@ -302,6 +310,7 @@ class Scheduler:
             or not sp.greedy
             or sp.logprobs is not None
             or sp.structured_outputs is not None
+            or sp.processes_logits
         ):
             return []
         k = min(k, req.draft_limit or k, req.max_device_len - req.device_len - 1)

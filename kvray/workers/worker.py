@@ -33,6 +33,7 @@ from kvray.kvcache import MHAKVCache, create_kvcache_pool
 from kvray.models import TPGroup, load_model
 from kvray.workers.host_memory import keep_large_allocations
 from kvray.workers.mirror import PlanMirror
+from kvray.workers.penalties import LogitProcessors
 from kvray.workers.sampler import sample_device
 
 
@@ -93,6 +94,8 @@ class ModelWorker:
         self.grammar = GrammarRows(
             lambda: compiler_for(spec.model_path, cfg.vocab_size), spec.config.max_running_reqs
         )
+        # Rows whose logits are processed (bias, min_tokens, penalties) before sampling.
+        self.processors = LogitProcessors(cfg.vocab_size, self.device)
 
     @property
     def kv_buffer_shape(self) -> tuple[int, ...]:
@@ -110,8 +113,10 @@ class ModelWorker:
         start = time.perf_counter()
         for row in plan.freed_rows:
             self.grammar.free(row)
+            self.processors.free(row)
         for adm in plan.admitted:
             self.grammar.admit(adm)
+            self.processors.admit(adm)
         batch = self.mirror.apply(plan)
         if batch is None:
             return None
@@ -156,6 +161,9 @@ class ModelWorker:
             params = [p for p, n in zip(params, checks.counts, strict=True) for _ in range(n)]
             positions = checks.positions.tolist()
             logit_rows = checks.rows.tolist()
+        if self.processors.processes(logit_rows):
+            logits = logits.float()  # (the model's own output: changed in place)
+            self.processors.apply_(logits, logit_rows)
         out = sample_device(
             logits,
             [p for p, _ in params],
@@ -178,7 +186,9 @@ class ModelWorker:
                 checks.rows[keep], checks.positions[keep], host.token_ids[keep]
             )
             last_ids = host.token_ids[keep][np.cumsum(num_tokens) - 1]
-        self.grammar.advance(sampled_rows, last_ids.tolist())
+        last = last_ids.tolist()
+        self.grammar.advance(sampled_rows, last)
+        self.processors.advance(sampled_rows, last)
         return StepResult(
             plan.step_id,
             host.token_ids[keep],

@@ -574,9 +574,13 @@ MALFORMED: list[tuple[str, str, str, Any, int, str | None]] = [
     ("oov-in-batch", "POST", _CMPL, _cmpl(prompt=[[1, 2], [3, 10**9]]), 400, "prompt"),
     ("unknown-model-chat", "POST", _CHAT, _chat(model="gpt-4"), 404, "model"),
     ("unknown-model-cmpl", "POST", _CMPL, _cmpl(model="nope"), 404, "model"),
-    ("presence-penalty", "POST", _CHAT, _chat(presence_penalty=1), 400, "presence_penalty"),
-    ("frequency-penalty", "POST", _CMPL, _cmpl(frequency_penalty=0.5), 400, "frequency_penalty"),
-    ("logit-bias", "POST", _CHAT, _chat(logit_bias={"42": 10}), 400, "logit_bias"),
+    ("presence-penalty", "POST", _CHAT, _chat(presence_penalty=2.5), 400, "presence_penalty"),
+    ("frequency-penalty", "POST", _CMPL, _cmpl(frequency_penalty=-3), 400, "frequency_penalty"),
+    ("logit-bias-key", "POST", _CHAT, _chat(logit_bias={"the": 10}), 400, "logit_bias"),
+    ("logit-bias-value", "POST", _CHAT, _chat(logit_bias={"42": 101}), 400, "logit_bias"),
+    ("logit-bias-oov", "POST", _CMPL, _cmpl(logit_bias={"49152": 1}), 400, "logit_bias"),
+    ("min-tokens-over", "POST", _CMPL, _cmpl(min_tokens=9, max_tokens=8), 400, "min_tokens"),
+    ("repetition-zero", "POST", _CHAT, _chat(repetition_penalty=0), 400, "repetition_penalty"),
     ("echo", "POST", _CMPL, _cmpl(echo=True), 400, "echo"),
     ("suffix", "POST", _CMPL, _cmpl(suffix="!"), 400, "suffix"),
     ("best-of", "POST", _CMPL, _cmpl(best_of=3), 400, "best_of"),
@@ -586,8 +590,6 @@ MALFORMED: list[tuple[str, str, str, Any, int, str | None]] = [
     ("stop-int", "POST", _CMPL, _cmpl(stop=5), 400, "stop"),
     ("top-logprobs-no-logprobs", "POST", _CHAT, _chat(top_logprobs=2), 400, "top_logprobs"),
     # vLLM extras kvray does not implement are refused unless neutral.
-    ("min-tokens", "POST", _CMPL, _cmpl(min_tokens=3), 400, "min_tokens"),
-    ("repetition-penalty", "POST", _CHAT, _chat(repetition_penalty=1.2), 400, "repetition_penalty"),
     ("prompt-logprobs", "POST", _CMPL, _cmpl(prompt_logprobs=1), 400, "prompt_logprobs"),
     ("beam-search", "POST", _CMPL, _cmpl(use_beam_search=True), 400, "use_beam_search"),
     ("bad-words", "POST", _CHAT, _chat(bad_words=["Paris"]), 400, "bad_words"),
@@ -906,3 +908,41 @@ def test_deeply_nested_json_is_a_400(http: httpx.Client, client: openai.OpenAI) 
     ok = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
     assert "Paris" in ok.choices[0].message.content
     assert r.status_code == 400, r.text
+
+
+def test_penalties_and_logit_bias_match_hugging_face(
+    client: openai.OpenAI, model_dir: Any, tokenizer: Any
+) -> None:
+    """OpenAI's frequency / presence penalties and logit_bias, vLLM's repetition_penalty
+    and min_tokens (extra_body), served: the text of the tokens Hugging Face's greedy
+    generate picks with the same processing (the embedded model in float32)."""
+    import torch
+    import transformers
+    from engine_checks import hf_greedy, hf_processed
+
+    from kvray.core import SamplingParams
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompt = "List the colors of the rainbow, then list them again:"
+    ids = tokenizer(prompt)["input_ids"]
+    plain = hf_greedy(hf, ids, 24)
+    cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        ({"frequency_penalty": 1.2, "presence_penalty": 0.6}, {}),
+        ({"logit_bias": {str(plain[0]): -100, str(plain[3]): 5.0}}, {}),
+        ({}, {"repetition_penalty": 1.3, "min_tokens": 20}),
+    ]
+    for fields, extra in cases:
+        r = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            extra_body=extra,
+            **fields,
+        )
+        given = {**fields, **extra}
+        bias = {int(k): v for k, v in given.pop("logit_bias", {}).items()}
+        sp = SamplingParams(temperature=0, max_tokens=24, logit_bias=bias or None, **given)
+        want = hf_processed(hf, ids, sp)
+        assert want != plain[: len(want)], given  # the processing shows
+        assert r.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), given
