@@ -83,6 +83,23 @@ class Server:
         return self.stderr_path.read_text()[-6000:]
 
 
+def serve_env() -> dict[str, str]:
+    """The environment of a `kvray serve` subprocess: a Ray of its own, this checkout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def kill_session(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
+    """Whatever happened, nothing the subprocess started is left running."""
+    if proc.poll() is None or session_processes(proc.pid):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
 @contextmanager
 def kvray_serve(tmp_path: Path, *flags: str) -> Iterator[Server]:
     """`kvray serve FLAGS` in its own session; yields once it prints its serving line.
@@ -91,8 +108,7 @@ def kvray_serve(tmp_path: Path, *flags: str) -> Iterator[Server]:
 
     ensure_embedded_model(progress=False)  # converted once, outside the timed start
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = serve_env()
     env["PYTHONUNBUFFERED"] = "1"
     stderr_path = tmp_path / "stderr.log"
     log = stderr_path.open("w")
@@ -131,12 +147,7 @@ def kvray_serve(tmp_path: Path, *flags: str) -> Iterator[Server]:
                 break
         yield server
     finally:
-        if proc.poll() is None or session_processes(proc.pid):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=30)
+        kill_session(proc)
         log.close()
 
 
@@ -293,8 +304,7 @@ def test_a_signal_while_the_engines_load_stops_cleanly(tmp_path: Path) -> None:
 
     ensure_embedded_model(progress=False)
     stderr_path = tmp_path / "stderr.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = serve_env()
     port = free_port()
     cmd = [sys.executable, "-m", "kvray.deploy.cli", "serve", "--port", str(port)]
     with stderr_path.open("w") as log:
@@ -312,9 +322,4 @@ def test_a_signal_while_the_engines_load_stops_cleanly(tmp_path: Path) -> None:
         assert_exited_cleanly(server, 60)
         assert "[kvray] SIGTERM before serving: stopping" in server.stderr()
     finally:
-        if proc.poll() is None or session_processes(proc.pid):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=30)
+        kill_session(proc)
