@@ -83,7 +83,7 @@ class _StoppedStarting(Exception):
     """SIGINT or SIGTERM while `kvray serve` was starting."""
 
 
-def _stop_ray() -> None:
+def _stop_ray(report_placement_groups: bool = False) -> None:
     """Serve's app and then this process's Ray, each step bounded (when the whole process
     group got the signal, Ray's own processes may already be gone)."""
     import ray
@@ -92,9 +92,17 @@ def _stop_ray() -> None:
         return
     from ray import serve
 
+    from kvray.deploy.app import live_placement_groups
+
     closer = threading.Thread(target=serve.shutdown, daemon=True)
     closer.start()
     closer.join(30)
+    if report_placement_groups:
+        try:
+            pgs = live_placement_groups()
+            print(f"[kvray] stopped; placement groups left: {pgs}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - the cluster is already gone
+            pass
     ray.shutdown()
 
 
@@ -130,9 +138,8 @@ def _start_and_serve(
         os.environ.update(direct_ingress_env(args.port))
 
     import ray
-    from ray import serve
 
-    from kvray.deploy.app import drain, live_placement_groups, start_app
+    from kvray.deploy.app import drain, start_app
 
     if config.api_key is None and config.api_key_env is None and os.environ.get(API_KEY_ENV):
         config = config.model_copy(update={"api_key_env": API_KEY_ENV})
@@ -167,15 +174,7 @@ def _start_and_serve(
     if left and left[0]:
         print(f"[kvray] {left[0]} request(s) cut at the grace period", file=sys.stderr, flush=True)
     print("[kvray] shutting down...", file=sys.stderr, flush=True)
-    closer = threading.Thread(target=serve.shutdown, daemon=True)
-    closer.start()
-    closer.join(30)
-    try:
-        pgs = live_placement_groups()
-        print(f"[kvray] stopped; placement groups left: {pgs}", file=sys.stderr, flush=True)
-    except Exception:  # noqa: BLE001 - the cluster is already gone
-        pass
-    ray.shutdown()
+    _stop_ray(report_placement_groups=True)
     return 0
 
 

@@ -43,7 +43,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
-from kvray.core import MAX_LOGPROBS
+from kvray.core import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_N = 16
 MAX_STOP = 16
@@ -423,7 +423,11 @@ class _SamplingFields(_Request):
             {
                 "type": "object",
                 "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,8})$"},
-                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                "additionalProperties": {
+                    "type": "number",
+                    "minimum": -MAX_LOGIT_BIAS,
+                    "maximum": MAX_LOGIT_BIAS,
+                },
             }
         ),
     )
@@ -465,7 +469,7 @@ class _SamplingFields(_Request):
         for key, bias in (v or {}).items():
             if not (key.isascii() and key.isdigit() and len(key) <= 9):
                 raise ValueError(f"keys are token ids (decimal strings); got {key!r}")
-            if not -100.0 <= bias <= 100.0:
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"the bias of token {key} must be in [-100, 100]; got {bias}")
         return v
 

@@ -40,9 +40,6 @@ class LogitProcessors:
         self.device = device
         self._rows: dict[int, _Row] = {}
 
-    def __len__(self) -> int:
-        return len(self._rows)
-
     def admit(self, adm: Admission) -> None:
         sp = adm.sampling
         if not sp.processes_logits:
