@@ -3,18 +3,21 @@ frequency and presence penalties, each against Hugging Face `generate` on the sa
 checkpoint (its own processors where it has them: `repetition_penalty`, `min_new_tokens`,
 `sequence_bias`; for OpenAI's frequency and presence penalties, a processor written here
 from OpenAI's definition). Processed requests batched with plain ones, drafting ones and
-each other give the same tokens as alone, and a retracted one resumes with its counts."""
+each other give the same tokens as alone, and a retracted one resumes with its counts;
+page accounting balances after every step."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from engine_checks import TINY_PROMPTS, hf_greedy, hf_processed
+from engine_checks import TINY_PROMPTS, hf_greedy, hf_processed, new_llm
 
-from kvray import LLM, SamplingParams
+from kvray import SamplingParams
 
 N = 12  # tokens per request
+# Every engine checks its integrity after each step, and is clean after each test.
+pytestmark = pytest.mark.usefixtures("engine_invariants")
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +56,13 @@ def test_each_processing_matches_hugging_face_batched_or_alone(
     assert len(want[5]) >= 6 and stop not in want[5][:5]
 
     greedy = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
-    with LLM(path, dtype="float32", progress=False, speculative_tokens=3) as llm:
-        # batched with each other and with plain (drafting) greedy requests
-        outs = llm.generate(prompts + prompts, params + [greedy] * len(prompts))
-        assert [o.token_ids for o in outs[:6]] == want
-        assert [o.token_ids for o in outs[6:]] == plain
-        for p, sp, w in zip(prompts, params, want, strict=True):  # alone
-            assert llm.generate(p, sp)[0].token_ids == w
+    llm = new_llm(path, speculative_tokens=3)
+    # batched with each other and with plain (drafting) greedy requests
+    outs = llm.generate(prompts + prompts, params + [greedy] * len(prompts))
+    assert [o.token_ids for o in outs[:6]] == want
+    assert [o.token_ids for o in outs[6:]] == plain
+    for p, sp, w in zip(prompts, params, want, strict=True):  # alone
+        assert llm.generate(p, sp)[0].token_ids == w
 
 
 def test_a_retracted_request_resumes_its_penalties(tiny_llama: tuple[str, Any]) -> None:
@@ -75,9 +78,9 @@ def test_a_retracted_request_resumes_its_penalties(tiny_llama: tuple[str, Any]) 
     ]
     want = [hf_processed(hf, p, s) for p, s in zip(prompts, params, strict=True)]
     kw = {"page_size": 4, "num_pages": 16, "max_prefill_tokens": 8}  # 64 token slots
-    with LLM(path, dtype="float32", progress=False, **kw) as llm:
-        outs = llm.generate(prompts, params)
-        assert llm.engine.scheduler.stats.num_preemptions > 0, "the pool was never short"  # type: ignore[attr-defined]
+    llm = new_llm(path, **kw)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.stats.num_preemptions > 0, "the pool was never short"  # type: ignore[attr-defined]
     assert [o.token_ids for o in outs] == want
 
 
@@ -101,6 +104,6 @@ def test_a_bias_outside_the_vocabulary_is_refused(tiny_llama: tuple[str, Any]) -
     from kvray.core import RequestRejected
 
     path, _ = tiny_llama
-    with LLM(path, dtype="float32", progress=False) as llm:
-        with pytest.raises(RequestRejected, match="logit_bias: token id 100000"):
-            llm.generate([1, 2, 3], SamplingParams(logit_bias={100000: 1.0}))
+    llm = new_llm(path)
+    with pytest.raises(RequestRejected, match="logit_bias: token id 100000"):
+        llm.generate([1, 2, 3], SamplingParams(logit_bias={100000: 1.0}))
