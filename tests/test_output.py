@@ -78,6 +78,24 @@ def test_a_stop_string_wins_over_the_finish_that_came_with_it(tok) -> None:
     assert out.text == " Hello " == "".join(d.text for d in deltas)
 
 
+@pytest.mark.parametrize("word", ["world", "done"])
+def test_stop_strings_count_from_the_token_after_min_tokens(tok, word) -> None:
+    """As vLLM: a stop string that a request's first min_tokens tokens complete does not
+    end it (nor is it found later); one completed by a later token does."""
+    ids = ids_of(tok, TEXT)
+    world = next(i for i in range(len(ids)) if "world" in tok.decode(ids[: i + 1]))
+    out = state(tok, max_tokens=100, min_tokens=world + 1, stop=(word,))
+    deltas = feed(out, ids, None)
+    hits = [i for i, d in enumerate(deltas) if d.stop_string_hit]
+    if word == "world":  # completed by token min_tokens: never a stop
+        assert hits == [] and out.token_ids == ids
+        out.add(TokenEvent(0, None, finish_reason=FinishReason.LENGTH))
+        assert out.text == TEXT and out.finish_reason is FinishReason.LENGTH
+    else:
+        assert len(hits) == 1 and hits[0] > world
+        assert out.text == TEXT[: TEXT.index("done")]
+
+
 def test_text_held_back_as_a_possible_stop_string_is_released_at_the_end(tok) -> None:
     ids = ids_of(tok, " Hello wor")
     out = state(tok, max_tokens=len(ids), stop=("world",))

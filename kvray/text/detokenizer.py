@@ -57,11 +57,13 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
-    def push(self, token_id: int) -> str:
-        """Add one generated token; returns the text that is now safe to show."""
+    def push(self, token_id: int, find_stop: bool = True) -> str:
+        """Add one generated token; returns the text that is now safe to show. With
+        `find_stop` False (a request's first min_tokens tokens, as vLLM) no stop string
+        ends the text at this token; one that this token completes is not found later."""
         if self.stopped:
             return ""
-        return self._append(self._delta(token_id), final=False)
+        return self._append(self._delta(token_id), final=False, find_stop=find_stop)
 
     def flush(self) -> str:
         """The request ended: return what was held back (a possible stop-string prefix that
@@ -75,12 +77,12 @@ class IncrementalDetokenizer:
         delta = tail[len(prefix) :] if len(tail) > len(prefix) else ""
         return self._append(delta.rstrip("\ufffd"), final=True)
 
-    def _append(self, delta: str, final: bool) -> str:
+    def _append(self, delta: str, final: bool, find_stop: bool = True) -> str:
         """Add decoded text, cut it at the first stop string, and return what may be shown:
         all of it once `final`, else all but a tail that could begin a stop string."""
         if delta:
             self.text += delta
-            if self.stop:
+            if self.stop and find_stop:
                 window = max(0, len(self.text) - len(delta) - self._max_stop + 1)
                 hits = [(i, s) for s in self.stop if (i := self.text.find(s, window)) >= 0]
                 if hits:

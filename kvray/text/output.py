@@ -96,7 +96,9 @@ class OutputState:
                 self.logprobs += logprobs
             shown = self.sampling.include_stop_str_in_output or not ended_on_stop_token(event)
             if self._detok is not None and shown:
-                text = self._detok.push(event.token_id)
+                # Stop strings count from the token after min_tokens, as stop tokens do.
+                find_stop = len(self.token_ids) > self.sampling.min_tokens
+                text = self._detok.push(event.token_id, find_stop)
                 hit = self._detok.stopped and not event.finished
         if event.finish_reason is not None:
             self.finish_reason = FinishReason.STOP if self._stopped else event.finish_reason
