@@ -68,8 +68,12 @@ def _allowed(matcher: Any, vocab: int) -> torch.Tensor:
     return bits.flatten()[:vocab].bool()
 
 
-def masked_hf_greedy(hf: Any, grammar: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    """The oracle: HF's next-token logits, grammar-disallowed tokens removed, argmax."""
+def masked_hf_greedy(
+    hf: Any, grammar: Any, prompt: list[int], max_tokens: int, min_tokens: int = 0
+) -> list[int]:
+    """The oracle: HF's next-token logits, grammar-disallowed tokens removed, argmax; the
+    stop token held back while fewer than `min_tokens` are out, unless the grammar allows
+    nothing else."""
     import xgrammar as xgr
 
     matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=[STOP])
@@ -77,7 +81,10 @@ def masked_hf_greedy(hf: Any, grammar: Any, prompt: list[int], max_tokens: int) 
     for _ in range(max_tokens):
         with torch.no_grad():
             logits = hf(torch.tensor([ids])).logits[0, -1].float()
-        logits = logits.masked_fill(~_allowed(matcher, TINY_VOCAB), float("-inf"))
+        allowed = _allowed(matcher, TINY_VOCAB)
+        if len(out) < min_tokens and allowed.sum() > allowed[STOP]:
+            allowed[STOP] = False
+        logits = logits.masked_fill(~allowed, float("-inf"))
         token = int(torch.argmax(logits))  # the first maximum: ties to the lowest id
         assert matcher.accept_token(token)
         out.append(token)
@@ -110,6 +117,32 @@ def test_constrained_greedy_equals_masked_hf_oracle(tiny_checkpoints: dict) -> N
     assert re.fullmatch(r"[a-f]{2,5}-[0-9]{1,3}", text[1]) and text[2] in ("alpha", "beta", "gamma")
     # The free row is untouched by its constrained batch mates.
     assert outs[3].token_ids == llm.generate([PROMPT], free)[0].token_ids
+
+
+def test_min_tokens_gives_way_only_to_a_complete_grammar(tiny_checkpoints: dict) -> None:
+    """min_tokens holds back the stop token while the grammar allows anything else; once
+    the grammar is complete (only the stop token is left) the request ends there, valid,
+    however few tokens are out."""
+    path, hf = tiny_checkpoints["llama"]
+    llm = new_llm(path, page_size=4, num_pages=64)
+    compiler = llm.grammar_compiler()
+    specs = [StructuredOutputsParams(regex=r"[a-f]{1,9}"), ORACLE_SPECS[2]]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=30,
+            min_tokens=12,
+            stop_token_ids=(STOP,),
+            structured_outputs=spec,
+        )
+        for spec in specs
+    ]
+    outs = llm.generate([PROMPT] * 2, params)
+    for spec, out in zip(specs, outs, strict=True):
+        want = masked_hf_greedy(hf, compiler.compile(spec), PROMPT, 30, min_tokens=12)
+        assert out.token_ids == want, spec.key
+        assert out.finish_reason == "stop" and len(out.token_ids) < 12
+    assert re.fullmatch(r"[a-f]{1,9}", outs[0].text) and outs[1].text in ("alpha", "beta", "gamma")
 
 
 def test_a_grammar_compiles_once_and_refusals_name_no_engine(tiny_checkpoints: dict) -> None:

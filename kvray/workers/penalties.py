@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvray.core import Admission, SamplingParams
+
+if TYPE_CHECKING:
+    from kvray.grammar.matcher import TokenBitmask
 
 
 @dataclass
@@ -71,8 +75,12 @@ class LogitProcessors:
         return bool(self._rows) and any(r in self._rows for r in rows)
 
     @torch.inference_mode()  # (the model's logits are inference tensors)
-    def apply_(self, logits: torch.Tensor, rows: Sequence[int]) -> None:
-        """Process, in place, logits row i of every processed `rows[i]` (float32 logits)."""
+    def apply_(
+        self, logits: torch.Tensor, rows: Sequence[int], grammar: TokenBitmask | None = None
+    ) -> None:
+        """Process, in place, logits row i of every processed `rows[i]` (float32 logits).
+        `grammar`: the step's mask of constrained rows, which min_tokens gives way to."""
+        constrained = set() if grammar is None else set(grammar.indices)
         for i, r in enumerate(rows):
             row = self._rows.get(r)
             if row is None:
@@ -81,7 +89,11 @@ class LogitProcessors:
             sp = row.params
             if row.bias is not None:
                 x.index_add_(0, row.bias_ids, row.bias)  # type: ignore[arg-type]
-            if row.stop_ids is not None:
+            if row.stop_ids is not None and not (
+                grammar is not None
+                and i in constrained
+                and _only_stops(grammar.bitmask[i], row.stop_ids, self.vocab_size)
+            ):
                 x.index_fill_(0, row.stop_ids, float("-inf"))
             if row.seen is not None:
                 r_pen = sp.repetition_penalty
@@ -106,3 +118,15 @@ class LogitProcessors:
                 row.seen[tok] = True
             if row.stop_ids is not None and row.num_out >= row.params.min_tokens:
                 row.stop_ids = None
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _only_stops(words: torch.Tensor, stop_ids: torch.Tensor, vocab_size: int) -> bool:
+    """Whether a grammar mask row (int32 words) allows no token but `stop_ids`: a complete
+    grammar, which ends the request however few tokens are out (min_tokens cannot hold
+    back the only tokens left: nothing would be left to sample)."""
+    allowed = ((words.cpu().unsqueeze(1) >> _BITS) & 1).flatten()[:vocab_size].bool()
+    allowed[stop_ids.cpu()] = False
+    return not bool(allowed.any())

@@ -161,9 +161,10 @@ class ModelWorker:
             params = [p for p, n in zip(params, checks.counts, strict=True) for _ in range(n)]
             positions = checks.positions.tolist()
             logit_rows = checks.rows.tolist()
+        bitmask = self.grammar.token_bitmask(logit_rows)
         if self.processors.processes(logit_rows):
             logits = logits.float()  # (the model's own output: changed in place)
-            self.processors.apply_(logits, logit_rows)
+            self.processors.apply_(logits, logit_rows, bitmask)
         out = sample_device(
             logits,
             [p for p, _ in params],
@@ -171,7 +172,7 @@ class ModelWorker:
             positions,
             top_k,
             with_logprobs=any(p.logprobs is not None for p, _ in params),
-            token_bitmask=self.grammar.token_bitmask(logit_rows),
+            token_bitmask=bitmask,
         )
         host = out.numpy()
         keep: np.ndarray | slice = slice(None)  # the samples the result keeps
