@@ -12,13 +12,29 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 CachePolicy = Literal["radix", "naive"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+# vLLM's other names of two dtypes (its --dtype and LLM(dtype=) take them), read as ours.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+# vLLM's `LLM(...)` / engine-argument names of EngineConfig fields, and those of its
+# arguments that change nothing here (accepted with a warning; see kvray.deploy.vllm_flags).
+VLLM_ENGINE_ARGS = {
+    "tensor_parallel_size": "tp_size",
+    "max_model_len": "max_seq_len",
+    "max_num_seqs": "max_running_reqs",
+    "max_num_batched_tokens": "max_prefill_tokens",
+    "block_size": "page_size",
+}
+VLLM_IGNORED_ARGS = ("trust_remote_code", "gpu_memory_utilization", "enforce_eager")
 
 
 def cli_aliases(*flags: str) -> dict[str, Any]:
@@ -58,17 +74,24 @@ class EngineConfig(BaseModel):
         default=1,
         gt=0,
         description="tensor-parallel ranks (GPUs) per engine",
-        json_schema_extra=cli_aliases("--tp"),
+        json_schema_extra=cli_aliases("--tp", "--tensor-parallel-size", "-tp"),
     )
     dtype: DType = Field(
         default="auto",
         description="weights and KV dtype; auto follows the checkpoint, running float32 "
-        "checkpoints in bfloat16 (ask for float32 for exact-reference runs)",
+        "checkpoints in bfloat16 (ask for float32 for exact-reference runs); vLLM's half "
+        "and float mean float16 and float32",
+        json_schema_extra={"value_aliases": DTYPE_ALIASES},
     )
     device: Device = Field(
         default="auto", description="where the model runs; auto: CUDA when there is a GPU"
     )
-    page_size: int = Field(default=16, gt=0, description="tokens per KV page")
+    page_size: int = Field(
+        default=16,
+        gt=0,
+        description="tokens per KV page",
+        json_schema_extra=cli_aliases("--block-size"),
+    )
     num_pages: int | None = Field(
         default=None, gt=0, description="KV pages per rank; None: sized by kv_cache_memory_gb"
     )
@@ -84,10 +107,13 @@ class EngineConfig(BaseModel):
         default=256,
         gt=0,
         description="requests decoding at once (page_table rows)",
-        json_schema_extra=cli_aliases("--max-running"),
+        json_schema_extra=cli_aliases("--max-running", "--max-num-seqs"),
     )
     max_prefill_tokens: int = Field(
-        default=2048, gt=0, description="prompt tokens computed per step (the prefill chunk)"
+        default=2048,
+        gt=0,
+        description="prompt tokens computed per step (the prefill chunk)",
+        json_schema_extra=cli_aliases("--max-num-batched-tokens"),
     )
     itl_target_ms: float | None = Field(
         default=None,
@@ -98,7 +124,10 @@ class EngineConfig(BaseModel):
         "alone fill the target); None: every step computes up to max_prefill_tokens",
     )
     max_seq_len: int | None = Field(
-        default=None, gt=1, description="longest prompt + output; None: the model's context"
+        default=None,
+        gt=1,
+        description="longest prompt + output; None: the model's context",
+        json_schema_extra=cli_aliases("--max-model-len"),
     )
     speculative_tokens: int = Field(
         default=0,
@@ -159,6 +188,11 @@ class EngineConfig(BaseModel):
 
     _lookup = model_validator(mode="after")(_check_lookup)
     _drafts = model_validator(mode="after")(_check_drafts_without_overlap)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: object) -> object:
+        return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
     def scheduler_config(self, num_pages: int, max_seq_len: int) -> SchedulerConfig:
         shared = {name: getattr(self, name) for name in SchedulerConfig.shared_fields()}

@@ -15,6 +15,7 @@ from kvray.attention import backend_names
 from kvray.config import EngineConfig
 from kvray.deploy.flags import add_model_flags, model_from_flags
 from kvray.deploy.settings import ServeConfig
+from kvray.deploy.vllm_flags import add_vllm_flags, read_vllm_flags
 from kvray.kvcache import PREFIX_CACHES
 
 API_KEY_ENV = "KVRAY_API_KEY"  # read when neither --api-key nor --api-key-env is given
@@ -202,7 +203,7 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvray", description="LLM serving with a paged KV cache")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -214,10 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_model_flags(g, EngineConfig, choices=choices)
+    add_vllm_flags(g)
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API through Ray Serve")
+    s.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the checkpoint, as in `vllm serve MODEL` (the same as --model)",
+    )
     add_model_flags(s, ServeConfig, choices=choices)
+    add_vllm_flags(s)
     # The serving process's own settings (not the app's: a serve config has its own).
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     s.add_argument("--port", type=_port, default=8000)
@@ -241,8 +251,23 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("what", choices=_BENCHES)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_bench)
+    return ap
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line read, vLLM's spellings folded into kvray's settings."""
+    ap = build_parser()
     args = ap.parse_args(argv)
+    if args.command in ("serve", "generate"):
+        try:
+            read_vllm_flags(args)
+        except ValueError as e:
+            ap.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if argv is None and (args.command == "generate" or getattr(args, "what", "") in _IN_PROCESS):
         # The engine runs in this process: start it again with tcmalloc (host_memory).
         from kvray.workers.host_memory import reexec_with_tcmalloc

@@ -62,6 +62,9 @@ def add_model_flags(
             help_text += " (repeatable)"
         elif typing.get_origin(kind) is Literal:
             kw["choices"] = list(typing.get_args(kind))
+            if aliases := extra.get("value_aliases"):  # other names of some choices
+                kw["type"] = _aliased(aliases)  # type: ignore[arg-type]
+                help_text += " (also " + ", ".join(aliases) + ")"  # type: ignore[arg-type]
         else:
             kw["type"] = kind
             if kind is not field.annotation and default is not None:  # X | None, set
@@ -72,6 +75,17 @@ def add_model_flags(
         if default not in (None, ()):
             help_text += f" (default: {default})"
         parser.add_argument(*flags, help=help_text, **kw)
+
+
+def _aliased(aliases: Mapping[str, str]) -> Any:
+    """A flag's parser that reads each alias as the value it names (argparse checks the
+    choices after this)."""
+
+    def parse(text: str) -> str:
+        return aliases.get(text, text)
+
+    parse.__name__ = "value"
+    return parse
 
 
 def model_from_flags(model: type[BaseModel], args: argparse.Namespace, **overrides: Any) -> Any:
