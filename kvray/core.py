@@ -154,6 +154,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # Choices per prompt: the offline LLM and the server run n requests (a seeded one's
+    # choice i with seed + i); one engine request is one choice (n 1).
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Types first, each named (a wrong one would otherwise fail deep in a step, or pass
@@ -164,9 +167,13 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        for name in ("top_k", "max_tokens", "seed", "logprobs", "min_tokens"):
+        # None as vLLM's callers write it: no limit, no stops.
+        for name, unset in (("top_k", -1), ("stop", ()), ("stop_token_ids", ())):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, unset)
+        for name in ("top_k", "max_tokens", "seed", "logprobs", "min_tokens", "n"):
             value = getattr(self, name)
-            if value is not None or name in ("top_k", "min_tokens"):
+            if value is not None or name in ("top_k", "min_tokens", "n"):
                 object.__setattr__(self, name, _integer(name, value))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         # Accept lists from callers while keeping the dataclass hashable and frozen.
@@ -192,6 +199,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

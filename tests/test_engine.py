@@ -466,6 +466,35 @@ def test_chat_keeps_typed_special_tokens_as_text(smol) -> None:
     assert tok.decode(safe.prompt_token_ids) == rendered
 
 
+def test_chat_takes_text_parts_and_the_templates_options(smol) -> None:
+    """As vLLM's LLM.chat: content as OpenAI's text parts reads as their joined text (other
+    parts are refused, naming the message); add_generation_prompt, continue_final_message
+    and chat_template_kwargs reach the template."""
+    tok = smol.tokenizer
+    plain = [{"role": "user", "content": "Name a colour."}]
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}],
+        }
+    ]
+    (by_parts,) = smol.chat(parts, greedy(1), use_tqdm=False)
+    assert by_parts.prompt_token_ids == chat_ids(tok, plain)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[0\].content: kvray takes text parts only"):
+        smol.chat(image, greedy(1))
+    started = [*plain, {"role": "assistant", "content": "My favourite is"}]
+    (carried,) = smol.chat(
+        started, greedy(1), add_generation_prompt=False, continue_final_message=True
+    )
+    assert tok.decode(carried.prompt_token_ids).endswith("My favourite is")
+    with pytest.raises(ValueError, match="continue_final_message needs"):
+        smol.chat(started, greedy(1), continue_final_message=True)
+    (bare,) = smol.chat(plain, greedy(1), add_generation_prompt=False)
+    assert by_parts.prompt_token_ids[: len(bare.prompt_token_ids)] == bare.prompt_token_ids
+    assert len(bare.prompt_token_ids) < len(by_parts.prompt_token_ids)
+
+
 def test_rejected_requests_leave_the_engine_usable(smol, smol_ids, smol_refs) -> None:
     limit = smol.spec.max_seq_len
     assert limit == 160 * 16  # the pool, smaller than the model's context

@@ -25,7 +25,8 @@ from kvray.deploy.cli import main
         ({"stop_token_ids": 5}, "stop_token_ids must be a list of ints"),
         ({"stop_token_ids": [1.5]}, "stop_token_ids must be an integer"),
         ({"temperature": "hot"}, "temperature must be a number"),
-        ({"top_k": None}, "top_k must be an integer"),
+        ({"top_k": 2.5}, "top_k must be an integer"),
+        ({"n": 0}, "n must be >= 1"),
     ],
 )
 def test_sampling_params_refuse_wrong_types(kwargs: dict, field: str) -> None:
@@ -74,6 +75,59 @@ def test_prompt_forms_logprobs_and_shutdown(tiny) -> None:
         assert out.finish_reason == "length"
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(ids, greedy)
+
+
+def test_vllm_spellings_of_engine_args_params_and_chat(tiny) -> None:
+    """What a vLLM script writes runs as it means: vLLM's engine-argument names, None for
+    "no stops" and "no top_k", n choices (a seeded one's choice i as its own request with
+    seed + i) and use_tqdm (chat's spellings: tests/test_engine.py)."""
+    path, refs = tiny["llama"]
+    ids = TINY_PROMPTS[0]
+    with pytest.warns(UserWarning, match="trust_remote_code changes nothing"):
+        llm = LLM(
+            path,
+            dtype="float",
+            tensor_parallel_size=1,
+            max_model_len=96,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            block_size=8,
+            enable_prefix_caching=False,
+            trust_remote_code=True,
+            progress=False,
+        )
+    with llm:
+        c = llm.config
+        assert (c.dtype, c.tp_size, c.max_seq_len, c.max_running_reqs) == ("float32", 1, 96, 8)
+        assert (c.max_prefill_tokens, c.page_size, c.cache_policy) == (64, 8, "naive")
+        none = SamplingParams(
+            temperature=0, max_tokens=5, stop=None, stop_token_ids=None, top_k=None
+        )
+        assert (none.stop, none.stop_token_ids, none.top_k) == ((), (), -1)
+        (out,) = llm.generate(ids, none, use_tqdm=False)
+        assert out.token_ids == refs[0][:5]
+
+        seeded = SamplingParams(temperature=1.0, max_tokens=6, seed=11, n=3, ignore_eos=True)
+        (three,) = llm.generate(ids, seeded)
+        assert [o.index for o in three.outputs] == [0, 1, 2] and three.outputs[0] is three
+        for i, choice in enumerate(three.outputs):
+            (alone,) = llm.generate(
+                ids, SamplingParams(temperature=1.0, max_tokens=6, seed=11 + i, ignore_eos=True)
+            )
+            assert choice.token_ids == alone.token_ids, i
+        assert len({tuple(o.token_ids) for o in three.outputs}) > 1
+        # with a list of params, each prompt its own n
+        a, b = llm.generate([ids, ids], [SamplingParams(max_tokens=2, n=2), none])
+        assert len(a.outputs) == 2 and b.outputs == [b] and b.token_ids == refs[0][:5]
+
+        # max_tokens None: min_tokens must fit in what is left of the context
+        from kvray.core import RequestRejected
+
+        with pytest.raises(RequestRejected, match="min_tokens is 200") as e:
+            llm.generate(ids, SamplingParams(max_tokens=None, min_tokens=200))
+        assert e.value.param == "min_tokens"
+    with pytest.raises(ValueError, match="tensor_parallel_size and tp_size name one setting"):
+        LLM(path, tensor_parallel_size=1, tp_size=1, progress=False)
 
 
 @pytest.mark.parametrize(

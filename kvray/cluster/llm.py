@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,10 +13,10 @@ from kvray.cluster.client import EngineClient
 from kvray.cluster.engine_core import EngineFailed
 from kvray.cluster.local import LocalEngine
 from kvray.cluster.spec import EngineSpec
-from kvray.config import EngineConfig
+from kvray.config import VLLM_ENGINE_ARGS, VLLM_IGNORED_ARGS, EngineConfig
 from kvray.core import FinishReason, SamplingParams, TokenEvent
 from kvray.grammar import GrammarCompiler, compiler_for
-from kvray.text import Message, OutputState, chat_ids, encode, load_tokenizer
+from kvray.text import Message, OutputState, chat_ids, encode, load_tokenizer, text_messages
 
 # Text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}.
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -24,9 +26,10 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 class CompletionOutput:
     """One prompt's result: the generated tokens and their text.
 
-    It is also read the way vLLM's `RequestOutput` is: a request has one choice here, so
-    `outputs` is `[self]`, and code written for vLLM (`out.outputs[0].text`,
-    `out.prompt`, `out.prompt_token_ids`, `out.finished`) runs unchanged."""
+    It is also read the way vLLM's `RequestOutput` is: `outputs` is the request's choices
+    (`[self]`, unless SamplingParams.n asked for more), and code written for vLLM
+    (`out.outputs[0].text`, `out.prompt`, `out.prompt_token_ids`, `out.finished`) runs
+    unchanged."""
 
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -40,9 +43,12 @@ class CompletionOutput:
     prompt: str | None = None  # the prompt's text, when it was given as text
     index: int = 0  # (vLLM: the choice's index within its request)
 
+    # With n > 1 choices (on the first one): all of them, this one first.
+    choices: list[CompletionOutput] | None = field(default=None, repr=False, compare=False)
+
     @property
     def outputs(self) -> list[CompletionOutput]:
-        return [self]
+        return self.choices or [self]
 
     @property
     def finished(self) -> bool:
@@ -58,7 +64,10 @@ class LLM:
     """Offline batch generation. `model=None` serves the embedded SmolLM2-135M-Instruct.
 
     Every other keyword is an `EngineConfig` field (tp_size, dtype, device, page_size,
-    cache_policy, num_pages, max_prefill_tokens, ...), validated there. tp_size 1 runs in
+    cache_policy, num_pages, max_prefill_tokens, ...), validated there, or vLLM's name of
+    one (tensor_parallel_size, max_model_len, max_num_seqs, max_num_batched_tokens,
+    block_size, enable_prefix_caching; trust_remote_code, gpu_memory_utilization and
+    enforce_eager change nothing here, with a warning). tp_size 1 runs in
     this process (unless `use_ray`) and never imports Ray; larger TP sizes start an
     `Engine` on Ray (joining `address` / RAY_ADDRESS, or a local cluster, dispatching steps
     through compiled graphs on GPUs and plain actor calls on CPU, unless `compiled` says
@@ -81,7 +90,7 @@ class LLM:
         progress: bool = True,
         **engine: Any,
     ) -> None:
-        self.config = EngineConfig(model=model, **engine)
+        self.config = EngineConfig(model=model, **_engine_args(engine))
         self.engine: EngineClient
         if use_ray or (use_ray is None and self.config.tp_size > 1):
             from kvray.cluster.engine import Engine
@@ -137,9 +146,13 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[CompletionOutput]:
         """One CompletionOutput per prompt, in order. A prompt is text, token ids or a vLLM
-        prompt dict (`encode`); `prompts` is one of them or a list of them."""
+        prompt dict (`encode`); `prompts` is one of them or a list of them. A prompt whose
+        params ask for `n` choices runs n requests (a seeded one's choice i with seed + i),
+        and its result is its first choice, with all n in `outputs`. (`use_tqdm`, vLLM's
+        progress bar, is accepted; there is none.)"""
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         batch = [prompts] if _is_one_prompt(prompts) else list(prompts)  # type: ignore[arg-type]
@@ -155,6 +168,23 @@ class LLM:
         for sp in params:
             if sp.structured_outputs is not None:  # GrammarError before anything runs
                 self.grammar_compiler().compile(sp.structured_outputs)
+        choices = [_choices(sp) for sp in params]
+        flat = self._run(
+            [ids for ids, cs in zip(prompt_ids, choices, strict=True) for _ in cs],
+            [c for cs in choices for c in cs],
+        )
+        texts = [_prompt_text(p) for p in batch]
+        results: list[CompletionOutput] = []
+        for ids, cs, text in zip(prompt_ids, choices, texts, strict=True):
+            outs = [_completion(ids, state, text, i) for i, state in enumerate(flat[: len(cs)])]
+            del flat[: len(cs)]
+            if len(outs) > 1:
+                outs[0].choices = outs
+            results.append(outs[0])
+        return results
+
+    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[OutputState]:
+        """Run one engine request per prompt to its end; their outputs, in order."""
         states = [
             OutputState(ids, sp, self.tokenizer) for ids, sp in zip(prompt_ids, params, strict=True)
         ]
@@ -171,11 +201,7 @@ class LLM:
             for rid in live:
                 self.engine.abort(rid)
             raise
-        texts = [_prompt_text(p) for p in batch]
-        return [
-            _completion(ids, state, text)
-            for ids, state, text in zip(prompt_ids, states, texts, strict=True)
-        ]
+        return states
 
     def grammar_compiler(self) -> GrammarCompiler:
         """This process's grammar compiler for the model (the in-process worker shares it)."""
@@ -196,15 +222,37 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         special_tokens_in_messages: bool = False,
+        *,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[CompletionOutput]:
         """Apply the chat template to one conversation or a list of them and generate.
-        Special-token text typed in a message stays text (see `kvray.text.prompt`) unless
-        `special_tokens_in_messages`."""
+        A message's content is text or OpenAI's list of text parts. Special-token text
+        typed in a message stays text (see `kvray.text.prompt`) unless
+        `special_tokens_in_messages`. The keywords are vLLM's: the template's
+        `add_generation_prompt`, `continue_final_message` (the reply carries on the last
+        message), the `tools` it renders, more variables in `chat_template_kwargs`."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        options = {
+            **(chat_template_kwargs or {}),
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
         prompts = [
-            chat_ids(self.tokenizer, c, special_tokens_in_messages)  # type: ignore[arg-type]
+            chat_ids(
+                self.tokenizer,
+                text_messages(c),  # type: ignore[arg-type]
+                special_tokens_in_messages,
+                tools,
+                options,
+            )
             for c in conversations
         ]
         return self.generate(prompts, sampling_params)
@@ -225,9 +273,44 @@ def _prompt_text(prompt: Prompt) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
-def _completion(prompt_ids: list[int], state: OutputState, prompt: str | None) -> CompletionOutput:
+def _engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`LLM`'s engine keywords with vLLM's names read as EngineConfig's (both names of one
+    setting at once is an error); the ones that change nothing here warn."""
+    out = dict(kwargs)
+    for vllm_name, ours in VLLM_ENGINE_ARGS.items():
+        if vllm_name in out:
+            if ours in out:
+                raise ValueError(f"{vllm_name} and {ours} name one setting: give one")
+            out[ours] = out.pop(vllm_name)
+    if "enable_prefix_caching" in out:
+        policy = "radix" if out.pop("enable_prefix_caching") else "naive"
+        if out.setdefault("cache_policy", policy) != policy:
+            raise ValueError(
+                f"enable_prefix_caching contradicts cache_policy={out['cache_policy']!r}"
+            )
+    for name in VLLM_IGNORED_ARGS:
+        if name in out:
+            out.pop(name)
+            warnings.warn(f"{name} changes nothing in kvray; ignored", stacklevel=3)
+    return out
+
+
+def _choices(sp: SamplingParams) -> list[SamplingParams]:
+    """The engine requests of one prompt's `n` choices (as the server's: seed + i)."""
+    if sp.n == 1:
+        return [sp]
+    return [
+        dataclasses.replace(sp, n=1, seed=None if sp.seed is None else (sp.seed + i) % 2**63)
+        for i in range(sp.n)
+    ]
+
+
+def _completion(
+    prompt_ids: list[int], state: OutputState, prompt: str | None, index: int = 0
+) -> CompletionOutput:
     assert state.finish_reason is not None
     return CompletionOutput(
+        index=index,
         prompt=prompt,
         prompt_token_ids=prompt_ids,
         token_ids=state.token_ids,

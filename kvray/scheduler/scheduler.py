@@ -123,8 +123,21 @@ class Scheduler:
         if rid in self.reqs:
             raise RequestRejected(f"request id {rid} is already in use", "rid")
         check_prompt(input_ids, sampling.max_tokens, self.max_seq_len, self.vocab_size)
+        if sampling.n != 1:
+            raise RequestRejected(
+                f"n is {sampling.n}: an engine request is one choice (the offline LLM and "
+                "the server run one request per choice)",
+                "n",
+            )
         if sampling.max_tokens is None:  # up to the rest of the context
-            sampling = dataclasses.replace(sampling, max_tokens=self.max_seq_len - len(input_ids))
+            room = self.max_seq_len - len(input_ids)
+            if sampling.min_tokens > room:
+                raise RequestRejected(
+                    f"min_tokens is {sampling.min_tokens}, but only {room} tokens fit after "
+                    f"this prompt (max_seq_len {self.max_seq_len})",
+                    "min_tokens",
+                )
+            sampling = dataclasses.replace(sampling, max_tokens=room)
         self._check_stop_ids(sampling.stop_token_ids)
         self._check_token_ids(dict(sampling.logit_bias or ()), "logit_bias")
         stop = set(sampling.stop_token_ids)

@@ -4,7 +4,14 @@ each request's output state (`output`). No Ray, no engine: token ids in, text ou
 
 from kvray.text.detokenizer import IncrementalDetokenizer
 from kvray.text.output import Logprob, OutputDelta, OutputState
-from kvray.text.prompt import Message, chat_ids, document_start_id, encode, load_tokenizer
+from kvray.text.prompt import (
+    Message,
+    chat_ids,
+    document_start_id,
+    encode,
+    load_tokenizer,
+    text_messages,
+)
 
 __all__ = [
     "IncrementalDetokenizer",
@@ -16,4 +23,5 @@ __all__ = [
     "document_start_id",
     "encode",
     "load_tokenizer",
+    "text_messages",
 ]

@@ -54,6 +54,23 @@ def document_start_id(tokenizer: Tokenizer) -> int | None:
     return None
 
 
+def text_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages whose content is OpenAI's list of text parts (`[{"type": "text", "text":
+    ...}]`) with that content joined into one string, as the server reads them; ValueError
+    naming the message for any other kind of part."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            kinds = {str(p.get("type")) if isinstance(p, Mapping) else "?" for p in content}
+            if kinds - {"text"}:
+                got = ", ".join(sorted(kinds - {"text"}))
+                raise ValueError(f"messages[{i}].content: kvray takes text parts only, got {got}")
+            m = {**m, "content": "".join(str(p["text"]) for p in content)}
+        out.append(dict(m))
+    return out
+
+
 def chat_ids(
     tokenizer: Tokenizer,
     messages: Sequence[Message],
