@@ -68,7 +68,8 @@ class EngineConfig(BaseModel):
 
     model: str | None = Field(
         default=None,
-        description="Hugging Face checkpoint directory; None: the embedded SmolLM2-135M-Instruct",
+        description="Hugging Face checkpoint directory, or model id (org/name: from the Hub's "
+        "local cache, else downloaded); None: the embedded SmolLM2-135M-Instruct",
     )
     tp_size: int = Field(
         default=1,

@@ -4,7 +4,10 @@ change nothing here are accepted with a note saying why."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from engine_checks import TINY_PROMPTS
 
 from kvray.config import EngineConfig
 from kvray.deploy.cli import parse_args
@@ -87,3 +90,48 @@ def test_flags_that_change_nothing_are_accepted_with_a_note(
     capsys.readouterr()
     serve_config("--max-num-seqs", "8")
     assert "note" not in capsys.readouterr().err
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """An offline Hugging Face cache (the Hub's own layout) in tmp_path."""
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path
+
+
+def cache_model(cache, repo_id: str, checkpoint) -> None:
+    import shutil
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(checkpoint, repo / "snapshots" / commit)
+
+
+def test_a_hugging_face_model_id_runs_from_the_hub_cache(tiny, hub_cache) -> None:
+    """`LLM("org/name")` / `kvray serve org/name` as in vLLM: the cached snapshot runs, and
+    the server's model name is the id; an id that is neither cached nor downloadable (here:
+    offline) is one clear error."""
+    from kvray import LLM, SamplingParams
+    from kvray.cluster.spec import resolve_model_path
+
+    path, refs = tiny["llama"]
+    cache_model(hub_cache, "tiny-org/tiny-llama", path)
+    with LLM("tiny-org/tiny-llama", dtype="float32", progress=False) as llm:
+        assert llm.spec.model_path.is_relative_to(hub_cache)
+        (out,) = llm.generate(TINY_PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))
+        assert out.token_ids == refs[0][:4]
+    config = serve_config("tiny-org/tiny-llama")
+    resolved = config.resolved(str(resolve_model_path(config.model)))
+    assert resolved.served_model_name == "tiny-org/tiny-llama"
+    assert resolved.model is not None and resolved.model.startswith(str(hub_cache))
+    assert serve_config(str(path)).resolved().served_model_name == Path(path).name
+    with pytest.raises(FileNotFoundError, match="'no-org/missing' is not a local checkpoint"):
+        resolve_model_path("no-org/missing")
+    with pytest.raises(FileNotFoundError, match="nor a Hugging Face model id"):
+        resolve_model_path("/no/such/dir")

@@ -4,6 +4,7 @@ that turn "auto"/None knobs into numbers), shared by the in-process and Ray engi
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,17 +19,54 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def resolve_model_path(model: str | None, progress: bool = True) -> Path:
-    """A checkpoint directory; None means the embedded SmolLM2 (converted once, cached)."""
+    """A checkpoint directory: `model` itself, or a Hugging Face model id (`org/name`, as
+    vLLM takes) from the Hub's local cache, else downloaded into it (only the files kvray
+    reads; HF_HUB_OFFLINE=1 forbids the download). None means the embedded SmolLM2
+    (converted once, cached)."""
     if model is None:
         from kvray.models.embedded import ensure_embedded_model
 
         return ensure_embedded_model(progress=progress)
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
+    if (path / "config.json").is_file():
+        return path
+    if is_hub_id(model):
+        return _from_hub(model)
+    raise FileNotFoundError(
+        f"{model!r} is not a Hugging Face checkpoint directory (no config.json), nor a "
+        "Hugging Face model id (org/name)"
+    )
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What kvray reads from a checkpoint: config, weights, tokenizer and chat template files.
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether `model` names a Hugging Face model rather than a local directory."""
+    return _HUB_ID.fullmatch(model) is not None and not Path(model).expanduser().exists()
+
+
+def _from_hub(model: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:  # the cached snapshot, without asking the Hub
+        cached = Path(snapshot_download(model, allow_patterns=_HUB_FILES, local_files_only=True))
+        if (cached / "config.json").is_file():
+            return cached
+    except Exception:  # noqa: BLE001 - not in the cache: fetch it
+        pass
+    try:
+        path = Path(snapshot_download(model, allow_patterns=_HUB_FILES))
+    except Exception as e:  # noqa: BLE001 - offline, unknown, gated: say which, in one line
         raise FileNotFoundError(
-            f"{model!r} is not a Hugging Face checkpoint directory (no config.json); "
-            "kvray loads local checkpoints only"
-        )
+            f"{model!r} is not a local checkpoint directory, and the Hugging Face model of "
+            f"that id is not in the local cache and could not be downloaded "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the Hugging Face model {model!r} has no config.json")
     return path
 
 

@@ -37,7 +37,8 @@ class ServeConfig(EngineConfig):
 
     served_model_name: str | None = Field(
         default=None,
-        description="the `model` clients send; None: the checkpoint directory's name",
+        description="the `model` clients send; None: the checkpoint directory's name, or the "
+        "Hugging Face model id the model was given as",
     )
     replicas: int = Field(default=1, gt=0, description="data-parallel engines behind Serve")
     router: Literal["prefix", "pow2", "round-robin"] | None = Field(
@@ -153,12 +154,16 @@ class ServeConfig(EngineConfig):
                     f"api_key_env={self.api_key_env!r} is set but that environment variable is "
                     "missing or empty on this node (is the Secret mounted into every Ray pod?)"
                 )
+        from kvray.cluster.spec import is_hub_id
+
         model = model_path or self.model
         name = self.served_model_name
         if name is None and self.model is None:
             from kvray.models.embedded import EMBEDDED_MODEL_NAME
 
             name = EMBEDDED_MODEL_NAME
+        elif name is None and is_hub_id(self.model):  # as vLLM: the id clients know it by
+            name = self.model
         elif name is None:
             assert model is not None
             name = PurePath(model.rstrip("/")).name or model
