@@ -463,6 +463,33 @@ def test_config_variants_load_as_transformers_reads_them(checkpoints, tmp_path: 
     )
 
 
+def test_a_mistral_checkpoint_runs_as_transformers_reads_it(checkpoints, tmp_path: Path) -> None:
+    """Mistral's layers are Llama's: the same weights under MistralForCausalLM give
+    transformers' logits; a sliding window shorter than the context becomes the context
+    (within it the window masks nothing)."""
+    import transformers as tf
+
+    def as_mistral(window: int | None):
+        def edit(c: dict) -> None:
+            c.update(architectures=["MistralForCausalLM"], model_type="mistral")
+            c.update(sliding_window=window)
+
+        return edit
+
+    path = _copy_checkpoint(checkpoints["llama"][0], tmp_path / "mistral", as_mistral(None))
+    ids = _prompts(1, 17, seed=8)[0]
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "MistralForCausalLM"
+    model = load_model(path, TPGroup(), torch.float32, "cpu")
+    (logits,) = Runner(model, 4).step([(0, 0, ids)])
+    torch.testing.assert_close(logits, _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    assert model.config.max_position_embeddings == COMMON["max_position_embeddings"]
+    windowed = _copy_checkpoint(path, tmp_path / "windowed", as_mistral(64))
+    assert ModelConfig.from_pretrained(windowed).max_position_embeddings == 64
+    wide = _copy_checkpoint(path, tmp_path / "wide", as_mistral(4096))
+    assert ModelConfig.from_pretrained(wide).max_position_embeddings == 256
+
+
 def test_bfloat16_runs_close_to_float32(checkpoints) -> None:
     path, _ = checkpoints["qwen3"]
     ids = _prompts(1, 13, seed=5)[0]

@@ -1,9 +1,12 @@
 """`ModelConfig`: the facts of a Hugging Face `config.json` that the model code needs.
 
-One Llama-family implementation serves Llama, Qwen2 and Qwen3; they differ only in flags
-(`qkv_bias`, `o_bias`, `qk_norm`). Anything else (sliding windows, other activations,
-partial rotary, other rope types, quantized weights) is rejected here, up front, with a
-clear error. Keys a config leaves out take transformers' defaults for its architecture.
+One Llama-family implementation serves Llama, Mistral, Qwen2 and Qwen3; they differ only
+in flags (`qkv_bias`, `o_bias`, `qk_norm`). Mistral is Llama's layers under another name;
+a Mistral `sliding_window` shorter than its context becomes the context served (every
+token then sees all the tokens before it, as the window would let it: exact). Anything
+else (other sliding windows, other activations, partial rotary, other rope types,
+quantized weights) is rejected here, up front, with a clear error. Keys a config leaves
+out take transformers' defaults for its architecture.
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ from typing import Any, Literal
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,6 +95,9 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
         max_positions = int(cfg.get("max_position_embeddings") or (32768 if is_qwen else 2048))
         rope_theta, rope_scaling = _parse_rope(cfg, max_positions)
+        window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+        if window is not None and int(window) < max_positions:
+            max_positions = int(window)
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(eos)
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
