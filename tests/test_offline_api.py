@@ -130,6 +130,26 @@ def test_vllm_spellings_of_engine_args_params_and_chat(tiny) -> None:
         LLM(path, tensor_parallel_size=1, tp_size=1, progress=False)
 
 
+def test_default_params_are_the_checkpoints_own(tiny, tmp_path) -> None:
+    """As vLLM's: generation_config.json's sampling settings are the defaults of a call
+    that gives no params (a value SamplingParams would refuse is not a default); params
+    given are used as they are."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny["llama"][0], tmp_path / "ckpt")
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update(temperature=0.6, top_p=0.9, top_k=20, max_new_tokens=7, repetition_penalty=-1)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    with LLM(path, dtype="float32", progress=False) as llm:
+        want = SamplingParams(temperature=0.6, top_p=0.9, top_k=20, max_tokens=7)
+        assert llm.get_default_sampling_params() == want
+        (out,) = llm.generate(TINY_PROMPTS[0])
+        assert len(out.token_ids) == 7
+        (out,) = llm.generate(TINY_PROMPTS[0], SamplingParams(max_tokens=3))
+        assert len(out.token_ids) == 3
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [

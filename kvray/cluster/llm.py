@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,7 +82,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | os.PathLike[str] | None = None,
         *,
         skip_tokenizer_init: bool = False,
         use_ray: bool | None = None,
@@ -90,6 +91,8 @@ class LLM:
         progress: bool = True,
         **engine: Any,
     ) -> None:
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
         self.config = EngineConfig(model=model, **_engine_args(engine))
         self.engine: EngineClient
         if use_ray or (use_ray is None and self.config.tp_size > 1):
@@ -158,7 +161,7 @@ class LLM:
         batch = [prompts] if _is_one_prompt(prompts) else list(prompts)  # type: ignore[arg-type]
         prompt_ids = [self.encode(p) for p in batch]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompt_ids)
         else:
@@ -202,6 +205,12 @@ class LLM:
                 self.engine.abort(rid)
             raise
         return states
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no params: SamplingParams' defaults
+        under the checkpoint's own (generation_config.json's temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens), as vLLM's."""
+        return SamplingParams(**dict(self.spec.sampling_defaults))
 
     def grammar_compiler(self) -> GrammarCompiler:
         """This process's grammar compiler for the model (the in-process worker shares it)."""

@@ -93,6 +93,42 @@ def _eos_ids(path: Path, model_config: ModelConfig) -> tuple[int, ...]:
     return tuple(sorted({int(eos)} if isinstance(eos, int) else {int(t) for t in eos}))
 
 
+# generation_config.json keys -> the SamplingParams field each one is the default of.
+_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(path: Path) -> dict[str, float | int]:
+    """The sampling settings a checkpoint ships in generation_config.json (Qwen3's
+    temperature 0.6, top_p 0.95, top_k 20, ...), by SamplingParams field: the defaults of
+    a request that leaves them unset, as in vLLM (its `--generation-config auto`). Keys the
+    file leaves out, or sets to null, are not defaults; nor is any value SamplingParams
+    would refuse (a checkpoint's typo must not fail every request)."""
+    from kvray.core import SamplingParams
+
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    raw = json.loads(gen.read_text())
+    out: dict[str, float | int] = {}
+    for key, name in _SAMPLING_KEYS.items():
+        value = raw.get(key)
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        try:
+            SamplingParams(**{name: value})
+        except ValueError:
+            continue
+        out[name] = value
+    return out
+
+
 def check_tp_split(mc: ModelConfig, tp_size: int) -> None:
     """Refuse, before any worker starts, a model whose shapes `tp_size` ranks cannot share:
     query heads and MLP columns split evenly; KV heads split evenly or are replicated."""
@@ -116,6 +152,9 @@ class EngineSpec:
     num_pages: int
     max_seq_len: int
     eos_token_ids: tuple[int, ...]
+    # The checkpoint's own sampling settings (generation_config.json), the defaults of a
+    # request that leaves them unset, as vLLM's (`sampling_defaults`).
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
     @property
     def vocab_size(self) -> int:
@@ -135,7 +174,9 @@ class EngineSpec:
             num_pages = max(int(config.kv_cache_memory_gb * 2**30) // page_bytes, 1)
         max_seq_len = config.max_seq_len or mc.max_position_embeddings
         max_seq_len = min(max_seq_len, mc.max_position_embeddings, num_pages * config.page_size)
-        return cls(config, path, mc, dtype, num_pages, max_seq_len, _eos_ids(path, mc))
+        eos = _eos_ids(path, mc)
+        defaults = tuple(sampling_defaults(path).items())
+        return cls(config, path, mc, dtype, num_pages, max_seq_len, eos, defaults)
 
     def scheduler_config(self) -> SchedulerConfig:
         return self.config.scheduler_config(self.num_pages, self.max_seq_len)
