@@ -107,3 +107,31 @@ def test_a_bias_outside_the_vocabulary_is_refused(tiny_llama: tuple[str, Any]) -
     llm = new_llm(path)
     with pytest.raises(RequestRejected, match="logit_bias: token id 100000"):
         llm.generate([1, 2, 3], SamplingParams(logit_bias={100000: 1.0}))
+
+
+def test_logprobs_are_the_models_before_processing(tiny_llama: tuple[str, Any]) -> None:
+    """As vLLM's default (raw logprobs): a processed request's logprobs are those of the
+    model's logits, not of the biased or penalized ones its tokens were chosen from, so a
+    token the bias pushed out of the choice still leads the top alternatives."""
+    import torch
+
+    path, hf = tiny_llama
+    prompt = TINY_PROMPTS[1]
+    first = hf_greedy(hf, prompt, 1)[0]
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=6,
+        ignore_eos=True,
+        logprobs=2,
+        logit_bias={first: -100},
+        repetition_penalty=1.3,
+    )
+    (out,) = new_llm(path).generate(prompt, sp)
+    assert out.token_ids[0] != first
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
+    raw = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    want = raw.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-4, rtol=1e-4)
+    assert max(out.top_logprobs[0], key=out.top_logprobs[0].get) == first
+    assert out.top_logprobs[0][first] == pytest.approx(raw[0, first].item(), abs=1e-4)

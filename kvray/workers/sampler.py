@@ -103,6 +103,7 @@ def sample_device(
     max_top_logprobs: int = 0,
     with_logprobs: bool = True,
     token_bitmask: TokenBitmask | None = None,
+    raw_logits: torch.Tensor | None = None,
 ) -> DeviceSample:
     """Sample one token per row of `logits` [S, V] (float32; other dtypes are upcast),
     leaving the results on the logits' device (`.numpy()` copies them to the host).
@@ -112,7 +113,10 @@ def sample_device(
     `max_top_logprobs` > 0 also returns that many most likely tokens per row. Without
     `with_logprobs` (and no top logprobs) the chosen tokens' logprobs are not computed: that
     saves a full-vocabulary reduction per row, and `logprobs` is None. `token_bitmask`
-    restricts its rows to the tokens their grammars allow (in place, before anything)."""
+    restricts its rows to the tokens their grammars allow (in place, before anything).
+    Logprobs are the model's (before temperature and top-k/p, as vLLM's default raw
+    logprobs): those of `raw_logits` (float32, masked by the grammars too) when given, the
+    logits before logit processing (bias, min_tokens, penalties) changed `logits`."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [S, V], got shape {tuple(logits.shape)}")
     num_rows, vocab = logits.shape
@@ -121,10 +125,11 @@ def sample_device(
             f"{num_rows} logits rows but {len(params)} params, {len(seeds)} seeds, "
             f"{len(positions)} positions"
         )
-    if token_bitmask is not None and not fused.mask_rows_(
-        logits, token_bitmask.bitmask, token_bitmask.indices
-    ):
-        token_bitmask.apply_(logits)
+    for masked in (logits, raw_logits):
+        if masked is None or token_bitmask is None:
+            continue
+        if not fused.mask_rows_(masked, token_bitmask.bitmask, token_bitmask.indices):
+            token_bitmask.apply_(masked)
     # Greedy: the first (lowest) id of each row's maximum. Read in the logits' own dtype:
     # upcasting is exact, so it cannot change the winner, and the copy is skipped when no
     # row needs float32 below (all greedy, no logprobs).
@@ -147,7 +152,7 @@ def sample_device(
     k = min(max_top_logprobs, vocab)
     if not with_logprobs and k <= 0:
         return DeviceSample(token_ids)
-    logits = logits.float()
+    logits = logits.float() if raw_logits is None else raw_logits
     # log p(token) = logit - logsumexp(logits): one reduction, no [S, V] log-softmax copy.
     log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen = (logits.gather(1, token_ids[:, None]) - log_z).squeeze(1)

@@ -162,8 +162,12 @@ class ModelWorker:
             positions = checks.positions.tolist()
             logit_rows = checks.rows.tolist()
         bitmask = self.grammar.token_bitmask(logit_rows)
+        with_logprobs = any(p.logprobs is not None for p, _ in params)
+        raw = None  # the logits logprobs are read from, when processing changes `logits`
         if self.processors.processes(logit_rows):
             logits = logits.float()  # (the model's own output: changed in place)
+            if with_logprobs:
+                raw = logits.clone()
             self.processors.apply_(logits, logit_rows, bitmask)
         out = sample_device(
             logits,
@@ -171,8 +175,9 @@ class ModelWorker:
             [s for _, s in params],
             positions,
             top_k,
-            with_logprobs=any(p.logprobs is not None for p, _ in params),
+            with_logprobs=with_logprobs,
             token_bitmask=bitmask,
+            raw_logits=raw,
         )
         host = out.numpy()
         keep: np.ndarray | slice = slice(None)  # the samples the result keeps
