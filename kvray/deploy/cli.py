@@ -80,8 +80,10 @@ def _serve(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-class _StoppedStarting(Exception):
-    """SIGINT or SIGTERM while `kvray serve` was starting."""
+class _StoppedStarting(BaseException):
+    """SIGINT or SIGTERM while `kvray serve` was starting. (Not an Exception: a signal
+    handler raises it wherever start-up is, and a broad `except Exception` there, in
+    kvray's code or Ray's, must not swallow it, as KeyboardInterrupt is not swallowed.)"""
 
 
 def _stop_ray(report_placement_groups: bool = False) -> None:
