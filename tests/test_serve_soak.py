@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-REQUESTS = 120
+REQUESTS = 90  # (seeded: 3 malformed bodies, 19 cut)
 
 
 @pytest.mark.slow
