@@ -28,6 +28,7 @@ import asyncio
 import enum
 import functools
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -51,7 +52,14 @@ class Phase(enum.Enum):
 
 class StepThread:
     """Steps the core while it has work, on a thread of its own; hands each step's events
-    to `deliver` on the event loop `loop`. Sleeps when idle until `wake()`."""
+    to `deliver` on the event loop `loop`. Sleeps when idle until `wake()`.
+
+    It also notes when it last made progress (`progress_age_s`), for a health check that
+    must not queue behind a busy engine's work: a step loop that planned a new step or
+    settled one with events, or found nothing to do, has progressed. A loop stuck in a step
+    (a worker that never answers) does not, nor one that has work but can neither plan nor
+    settle anything. With overlapped steps, planning step N+1 waits for step N-1's result,
+    so progress is never more than one step ahead of completed work."""
 
     def __init__(
         self,
@@ -64,6 +72,7 @@ class StepThread:
         self._deliver = deliver
         self._wake = threading.Event()
         self._stop = False
+        self._progress_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvray-step-loop", daemon=True)
         self._thread.start()
 
@@ -82,12 +91,21 @@ class StepThread:
         while not self._stop:
             if not self.core.has_work:
                 hand_over()
+                self._progress_at = time.monotonic()  # idle: nothing to be stuck on
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            stats = self.core.scheduler.stats  # kept across a rebuild of the scheduler
+            planned = stats.steps
             events = self.core.step(before_wait=hand_over)  # may hand `ready` over
+            if events or stats.steps != planned:
+                self._progress_at = time.monotonic()
             ready += events
         hand_over()
+
+    def progress_age_s(self) -> float:
+        """Seconds since the step loop last progressed (or last found itself idle)."""
+        return time.monotonic() - self._progress_at
 
     def wake(self) -> None:
         """New work arrived."""
@@ -303,6 +321,8 @@ class SchedulerActor:
 
     async def stats(self) -> dict[str, Any]:
         s = self.core.scheduler
+        steps = self._steps
+        assert steps is not None  # SERVING: `core` answered
         return {
             **vars(s.stats),
             "num_running": len(s.running),
@@ -318,6 +338,10 @@ class SchedulerActor:
             # Front ends submitting over the request channel (the rest come through Ray).
             "request_channels": 0 if self._channel is None else self._channel.connections,
             **vars(self._transfers),
+            # For /health: a busy engine whose step loop progressed lately is alive, with
+            # no probe queued behind its work (kvray.deploy.app.engines_progressing).
+            "has_work": s.has_work,
+            "progress_age_s": steps.progress_age_s(),
         }
 
     async def check_integrity(self) -> None:

@@ -35,6 +35,7 @@ FETCH_WAIT_S = 15.0  # a request waits this long at most for its prefix's K/V
 SUBMIT_TRIES = 3  # a request whose engine was gone before it started goes elsewhere
 EARLY_LIMIT = 256  # unopened requests' events a subscription keeps before pruning ended ones
 CHANNEL_RECHECK_S = 30.0  # an engine on another node is asked again for a channel after this
+HEALTH_STATS_WAIT_S = 2.0  # /health waits this long at most for the engines' stats
 
 
 class EngineGone(RuntimeError):
@@ -364,18 +365,22 @@ class ServeEngineClient:
         raise AssertionError("unreachable: the last try returns or raises")
 
 
-def engine_stats(app_name: str) -> list[dict[str, Any]]:
-    """Stats of every engine of the app, found by their schedulers' names."""
+def _schedulers(app_name: str) -> list[ActorHandle]:
+    """The scheduler actor of every engine of the app, found by their names."""
     prefix = f"{SCHEDULER_PREFIX}{app_name}-"
-    names = [
-        a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)
-    ]
-    refs = []
-    for a in names:
-        try:
-            refs.append(ray.get_actor(a["name"], namespace=a["namespace"]).stats.remote())
-        except ValueError:
-            continue  # went away since the listing
+    out = []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith(prefix):
+            try:
+                out.append(ray.get_actor(a["name"], namespace=a["namespace"]))
+            except ValueError:
+                continue  # went away since the listing
+    return out
+
+
+def engine_stats(app_name: str) -> list[dict[str, Any]]:
+    """Stats of every engine of the app that answers."""
+    refs = [actor.stats.remote() for actor in _schedulers(app_name)]
     out = []
     for ref in refs:
         try:
@@ -383,6 +388,19 @@ def engine_stats(app_name: str) -> list[dict[str, Any]]:
         except Exception:  # noqa: BLE001 - a dying engine must not break /metrics
             continue
     return out
+
+
+def engines_progressing(stats: list[dict[str, Any]], window_s: float) -> bool:
+    """/health's proof without a probe: every engine (at least one) has work and its step
+    loop progressed within the last `window_s` seconds (SchedulerActor.stats:
+    `has_work`, `progress_age_s`). A busy engine would queue a probe behind its work, and
+    its progress already shows it generates; an idle engine (a probe costs it nothing), a
+    stuck one (work, but no step for `window_s`) or one that did not answer proves nothing,
+    and the probe decides."""
+    return bool(stats) and all(
+        s.get("has_work") is True and float(s.get("progress_age_s", window_s + 1)) <= window_s
+        for s in stats
+    )
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
@@ -409,17 +427,35 @@ class Ingress:
         self.state = ServerState()
 
     async def _healthy(self) -> bool:
-        """A real step: one one-token request through an engine, within the timeout.
-        (An engine that still answers calls but cannot generate is not healthy.)"""
+        """Healthy when every engine is busy and its step loop progressed within the
+        health timeout (read from the engines' stats: nothing is queued behind their
+        work); otherwise a real step: one one-token request through an engine, within the
+        timeout. (An engine that still answers calls but cannot generate is not healthy.)"""
         from kvray.deploy.generation import generates
 
+        timeout = self.settings.health_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            if await asyncio.wait_for(
+                self._engines_progressing(), min(HEALTH_STATS_WAIT_S, timeout / 2)
+            ):
+                return True
+        except Exception:  # noqa: BLE001 - no proof of progress: the probe decides
+            pass
         try:
             ids = self.serving.prepare.document_start()
             return await asyncio.wait_for(
-                generates(self.serving.engine, ids), self.settings.health_timeout_s
+                generates(self.serving.engine, ids), max(deadline - loop.time(), 0.0)
             )
         except Exception:  # noqa: BLE001 - a dead actor, a missing replica, a timeout, a 503
             return False
+
+    async def _engines_progressing(self) -> bool:
+        """Every engine's stats (all must answer) show it busy and progressing."""
+        actors = await asyncio.to_thread(_schedulers, self.settings.app_name)
+        stats = await asyncio.gather(*(a.stats.remote() for a in actors))
+        return engines_progressing(list(stats), self.settings.health_timeout_s)
 
     async def drain(self) -> int:
         """Refuse new requests from now on (503); returns the requests still in flight."""

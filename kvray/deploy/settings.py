@@ -113,7 +113,10 @@ class ServeConfig(EngineConfig):
         "(kvray.cluster.request_channel), not through the engine deployment and Ray calls",
     )
     health_timeout_s: float = Field(
-        default=10.0, gt=0, description="how long /health waits for a real engine step"
+        default=10.0,
+        gt=0,
+        description="/health: a busy engine must have made progress within this many seconds, "
+        "and an idle one answer a one-token probe within them",
     )
 
     @field_validator("api_key", "api_key_env", "model", "served_model_name", mode="before")
