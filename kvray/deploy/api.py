@@ -29,8 +29,11 @@ from kvray.deploy.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Health,
     HugeInt,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     error_body,
     json_kind,
 )
@@ -154,8 +157,8 @@ def _first_error(e: ValidationError) -> ErrorDetails:
     return (huge or own or errors)[0]
 
 
-def parse_body(raw: bytes, model: type[Body]) -> Body:
-    """Validate a request body against `model`; raises APIError(400) naming the field."""
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body's JSON object; raises APIError(400) for anything else."""
     try:
         data = json.loads(raw, parse_int=_parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -164,11 +167,37 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
         raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {json_kind(data)}")
+    return data
+
+
+def validate(data: dict[str, Any], model: type[Body]) -> Body:
+    """Validate a request body's JSON object against `model`; raises APIError(400) naming
+    the field."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
         param, message = describe(_first_error(e))
         raise APIError(400, message, param) from None
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """Validate a request body against `model`; raises APIError(400) naming the field."""
+    return validate(parse_json(raw), model)
+
+
+def parse_tokenize(raw: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A /tokenize body: a text (`prompt`) or a conversation (`messages`), as in vLLM."""
+    data = parse_json(raw)
+    text, chat = data.get("prompt") is not None, data.get("messages") is not None
+    if text and chat:
+        raise APIError(
+            400, "send either prompt (a text) or messages (a conversation), not both", "messages"
+        )
+    if not (text or chat):
+        raise APIError(400, "prompt (a text) or messages (a conversation) is required", "prompt")
+    if chat:
+        return validate(data, TokenizeChatRequest)
+    return validate(data, TokenizeCompletionRequest)
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -334,10 +363,25 @@ def create_app(
     async def model(model: str) -> Response:
         return _respond(serving.model(model))
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return _respond(serving.tokenize(parse_tokenize(await request.body())))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = parse_body(await request.body(), DetokenizeRequest)
+        return _respond(serving.detokenize(req))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _respond(serving.version())
+
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def healthz() -> Response:
         if health is not None and not await health():
-            return _error(503, "no engine can serve: the health probe's generation step failed")
+            return _error(
+                503, "no engine can serve: no engine is progressing and the probe step failed"
+            )
         return _respond(Health(status="ok"))
 
     @app.get("/metrics")

@@ -38,16 +38,22 @@ from kvray.deploy.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     TokenLogprob,
     TopLogprob,
     Usage,
+    VersionResponse,
 )
 from kvray.deploy.protocol import FinishReason as ResponseFinish
 from kvray.deploy.settings import ServeConfig
 from kvray.deploy.tools import ReplyStream
-from kvray.text import Logprob, OutputDelta, OutputState
+from kvray.text import Logprob, OutputDelta, OutputState, encode
 from kvray.text.token_bytes import TextOffsets, TokenBytes, token_text
 
 if TYPE_CHECKING:
@@ -170,6 +176,47 @@ class OpenAIServing:
         return _Head(
             id=f"{kind}-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
         )
+
+    # -- vLLM's utility endpoints: /tokenize, /detokenize, /version -----------------------
+
+    def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """The ids a prompt becomes: a text as /v1/completions encodes it, a conversation
+        as /v1/chat/completions prepares it (the same code: `Preparer.chat`). Not checked
+        against the context: `max_model_len` says how much fits."""
+        self._check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = list(self.prepare.chat(req.as_chat()).jobs[0].prompt_ids)
+        else:
+            ids = encode(self.tokenizer, req.prompt, req.add_special_tokens is not False)
+        strs = None
+        if req.return_token_strs:
+            strs = [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)]
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.limits.max_seq_len, tokens=ids, token_strs=strs
+        )
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids of this model's vocabulary (special tokens included)."""
+        self._check_model(req.model)
+        vocab = self.limits.vocab_size
+        for i, tok in enumerate(req.tokens):
+            if not 0 <= tok < vocab:
+                raise APIError(
+                    400,
+                    f"tokens[{i}] is {tok}, not in this model's vocabulary [0, {vocab})",
+                    "tokens",
+                )
+        try:
+            text = self.tokenizer.decode(req.tokens)
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own refusal
+            raise APIError(400, f"tokens cannot be decoded: {e}", "tokens") from None
+        assert isinstance(text, str)  # one sequence of ids: one text
+        return DetokenizeResponse(prompt=text)
+
+    def version(self) -> VersionResponse:
+        from kvray import __version__
+
+        return VersionResponse(version=__version__)
 
     # -- /v1/completions ---------------------------------------------------------------------
 

@@ -23,10 +23,16 @@ from kvray.deploy.protocol import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 
 _REF = "#/components/schemas/{model}"
@@ -37,17 +43,30 @@ _ERRORS = {
     "500": "Internal error (a bug: please report it)",
     "503": "No engine can serve the request (starting, failed or shutting down)",
 }
+_HEALTH = (
+    "200 when every engine is busy and its step loop progressed within the health timeout "
+    "(`--health-timeout-s`; nothing is queued behind its work); otherwise when a one-token "
+    "request through an engine generates within that timeout. 503 otherwise: an engine "
+    "that is dead, or stuck (work but no step), is not healthy."
+)
 
 
 def _this_server(schemas: dict[str, Any], model_name: str, vocab_size: int | None) -> None:
     """What only this server knows: the one model it serves, the vocabulary's bounds, and
     that a prompt is never empty."""
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in (
+        "CompletionRequest",
+        "ChatCompletionRequest",
+        "TokenizeCompletionRequest",
+        "TokenizeChatRequest",
+        "DetokenizeRequest",
+    ):
         model = schemas[name]["properties"]["model"]
         model["anyOf"] = [{"const": model_name}, {"type": "null"}]
     token = {"type": "integer", "minimum": 0}
     if vocab_size is not None:
         token["maximum"] = vocab_size - 1
+    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]
     prompt["anyOf"] = [
         {"type": "string", "minLength": 1},
@@ -76,6 +95,12 @@ def build_openapi(
         (ModelCard, "serialization"),
         (ErrorResponse, "serialization"),
         (Health, "serialization"),
+        (TokenizeCompletionRequest, "validation"),
+        (TokenizeChatRequest, "validation"),
+        (DetokenizeRequest, "validation"),
+        (TokenizeResponse, "serialization"),
+        (DetokenizeResponse, "serialization"),
+        (VersionResponse, "serialization"),
     ]
     names, defs = models_json_schema(wanted, ref_template=_REF)
     schemas = defs.get("$defs", {})
@@ -146,6 +171,31 @@ def build_openapi(
             op["security"] = []
         return {"get": op}
 
+    def utility(summary: str, request: dict[str, Any], answer: type[BaseModel]) -> dict[str, Any]:
+        """vLLM's /tokenize and /detokenize: a JSON body in, a JSON answer out."""
+        failures = {code: errors[code] for code in ("400", "404", "500")}
+        return {
+            "post": {
+                "summary": summary,
+                "operationId": summary.lower().replace(" ", "_"),
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": request}},
+                },
+                "responses": {
+                    "200": {
+                        "description": summary,
+                        "content": {"application/json": {"schema": ref(answer)}},
+                    },
+                    **failures,
+                    **({"401": errors["401"]} if secured else {}),
+                    "503": errors["503"],
+                },
+            }
+        }
+
+    health = get("/health", "Health", {"application/json": {"schema": ref(Health)}})
+    health["get"]["description"] = _HEALTH
     retrieve = get(
         "/v1/models/{model}", "Retrieve model", {"application/json": {"schema": ref(ModelCard)}}
     )
@@ -175,10 +225,22 @@ def build_openapi(
                 "/v1/models", "List models", {"application/json": {"schema": ref(ModelList)}}
             ),
             "/v1/models/{model}": retrieve,
-            "/health": get(
-                "/health",
-                "Health: a one-token generation step ran",
-                {"application/json": {"schema": ref(Health)}},
+            "/health": health,
+            "/tokenize": utility(
+                "Tokenize",
+                {
+                    "anyOf": [
+                        ref(TokenizeCompletionRequest, "validation"),
+                        ref(TokenizeChatRequest, "validation"),
+                    ]
+                },
+                TokenizeResponse,
+            ),
+            "/detokenize": utility(
+                "Detokenize", ref(DetokenizeRequest, "validation"), DetokenizeResponse
+            ),
+            "/version": get(
+                "/version", "Version", {"application/json": {"schema": ref(VersionResponse)}}
             ),
             "/metrics": get(
                 "/metrics",

@@ -610,6 +610,22 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+def _continue_or_prompt(cls: Any, v: bool | None, info: ValidationInfo) -> bool | None:
+    if v and info.data.get("add_generation_prompt", False):
+        raise ValueError("needs add_generation_prompt: false (as in vLLM)")
+    return v
+
+
+def _template_variables(cls: Any, v: dict[str, Any] | None) -> dict[str, Any] | None:
+    taken = sorted(set(v or ()) & RESERVED_TEMPLATE_KWARGS)
+    if taken:
+        raise ValueError(
+            f"{', '.join(map(repr, taken))} cannot be set here (they are the request's own "
+            "fields or the renderer's)"
+        )
+    return v
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(
@@ -636,23 +652,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Annotated[Any, _Only()] = None
     documents: Annotated[Any, _Only()] = None
 
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continue_or_prompt(cls, v: bool | None, info: ValidationInfo) -> bool | None:
-        if v and info.data.get("add_generation_prompt", False):
-            raise ValueError("needs add_generation_prompt: false (as in vLLM)")
-        return v
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_variables(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(set(v or ()) & RESERVED_TEMPLATE_KWARGS)
-        if taken:
-            raise ValueError(
-                f"{', '.join(map(repr, taken))} cannot be set here (they are the request's own "
-                "fields or the renderer's)"
-            )
-        return v
+    _continue_or_prompt = field_validator("continue_final_message")(_continue_or_prompt)
+    _template_variables = field_validator("chat_template_kwargs")(_template_variables)
 
     @field_validator("tool_choice")
     @classmethod
@@ -695,6 +696,64 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.tools:
             return "none"
         return choice or "auto"
+
+
+class TokenizeCompletionRequest(_Request):
+    """`POST /tokenize` of a text (vLLM's utility endpoint): its ids as /v1/completions
+    prompts with them."""
+
+    model: Text | None = Field(default=None, description="default: the served model")
+    prompt: Text
+    add_special_tokens: StrictBool | None = Field(
+        default=True, description="the tokenizer's BOS (and such) around the text"
+    )
+    return_token_strs: StrictBool | None = Field(
+        default=False, description="also answer each token's vocabulary entry (token_strs)"
+    )
+
+
+class TokenizeChatRequest(_Request):
+    """`POST /tokenize` of a conversation (vLLM's utility endpoint): the ids
+    /v1/chat/completions prompts with for the same messages, tools and template options."""
+
+    model: Text | None = Field(default=None, description="default: the served model")
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: StrictBool | None = Field(
+        default=True, description="end the prompt with the assistant's header"
+    )
+    continue_final_message: StrictBool | None = Field(
+        default=False, description="the reply continues the last (assistant) message"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="more variables for the chat template"
+    )
+    return_token_strs: StrictBool | None = Field(
+        default=False, description="also answer each token's vocabulary entry (token_strs)"
+    )
+    add_special_tokens: Annotated[Any, _Only(False)] = None
+    chat_template: Annotated[Any, _Only()] = None
+    documents: Annotated[Any, _Only()] = None
+
+    _continue_or_prompt = field_validator("continue_final_message")(_continue_or_prompt)
+    _template_variables = field_validator("chat_template_kwargs")(_template_variables)
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat completion request whose prompt this is."""
+        return ChatCompletionRequest(
+            messages=self.messages,
+            tools=self.tools,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+
+
+class DetokenizeRequest(_Request):
+    """`POST /detokenize` (vLLM's utility endpoint): the text of token ids."""
+
+    model: Text | None = Field(default=None, description="default: the served model")
+    tokens: list[Int] = Field(description="token ids of this model's vocabulary")
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -838,3 +897,18 @@ class ModelList(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

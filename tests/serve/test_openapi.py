@@ -81,6 +81,35 @@ def test_document_describes_every_body(document: dict[str, Any]) -> None:
     assert paths["/health"]["get"]["security"] == []
 
 
+def test_document_describes_the_utility_endpoints(document: dict[str, Any]) -> None:
+    paths = document["paths"]
+    schemas = document["components"]["schemas"]
+    tokenize = paths["/tokenize"]["post"]
+    body = tokenize["requestBody"]["content"]["application/json"]["schema"]["anyOf"]
+    assert [b["$ref"].rsplit("/", 1)[1] for b in body] == [
+        "TokenizeCompletionRequest",
+        "TokenizeChatRequest",
+    ]
+    detokenize = paths["/detokenize"]["post"]
+    body = detokenize["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert body.endswith("/DetokenizeRequest")
+    for op, answer in (
+        (tokenize, "TokenizeResponse"),
+        (detokenize, "DetokenizeResponse"),
+        (paths["/version"]["get"], "VersionResponse"),
+    ):
+        ok = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+        assert ok.endswith(f"/{answer}")
+    for op in (tokenize, detokenize):
+        assert {"400", "404", "500", "503"} <= set(op["responses"])
+    assert schemas["TokenizeCompletionRequest"]["required"] == ["prompt"]
+    assert schemas["TokenizeChatRequest"]["required"] == ["messages"]
+    assert set(schemas["TokenizeResponse"]["required"]) == {"count", "max_model_len", "tokens"}
+    tokens = schemas["DetokenizeRequest"]["properties"]["tokens"]
+    assert tokens["items"] == {"type": "integer", "minimum": 0, "maximum": 49151}
+    assert "health timeout" in paths["/health"]["get"]["description"]
+
+
 def test_secured_document_requires_the_key() -> None:
     doc = build_openapi(MODEL, secured=True, public_paths=["/metrics"])
     validate(doc)
@@ -88,6 +117,12 @@ def test_secured_document_requires_the_key() -> None:
     assert doc["paths"]["/metrics"]["get"]["security"] == []
     assert "security" not in doc["paths"]["/openapi.json"]["get"]
     assert "401" in doc["paths"]["/v1/models"]["get"]["responses"]
+    # the served document adds vLLM's utility endpoints, behind the key as well
+    doc = build_openapi(MODEL, secured=True, public_paths=["/metrics"], vocab_size=100)
+    validate(doc)
+    for path, method in (("/tokenize", "post"), ("/detokenize", "post"), ("/version", "get")):
+        op = doc["paths"][path][method]
+        assert "401" in op["responses"] and "security" not in op, path
 
 
 # -- the fuzzer -----------------------------------------------------------------------------------
@@ -154,6 +189,34 @@ def test_fuzz_generation_endpoint(server: str, document: dict[str, Any], path: s
     # The fuzz reached both sides: served generations (JSON and streams) and refusals.
     assert seen[(200, "application/json")] and seen[(200, "text/event-stream")], seen
     assert sum(n for (status, _), n in seen.items() if status == 400) >= 10, seen
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_fuzz_utility_endpoint(server: str, document: dict[str, Any], path: str) -> None:
+    """As the generation endpoints, for vLLM's utility endpoints (no generation: fast)."""
+    schema = schemathesis.openapi.from_dict(document)
+    schema.config.update(base_url=server, request_timeout=60)
+    operation = schema[path]["POST"]
+    valid = operation.as_strategy(GenerationMode.POSITIVE).map(lambda case: (case, True))
+    invalid = operation.as_strategy(GenerationMode.NEGATIVE).map(lambda case: (case, False))
+
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(drawn=st.one_of(valid, invalid))
+    def fuzz(drawn: tuple[Any, bool]) -> None:
+        case, _ = drawn
+        response = case.call(timeout=60)
+        seen[response.status_code] += 1
+        case.validate_response(response, checks=CHECKS)
+
+    seen: Counter[int] = Counter()
+    fuzz()
+    assert seen[200] and seen[400], seen
 
 
 def test_still_serving_after_the_fuzz(server: str) -> None:
