@@ -602,6 +602,7 @@ def test_every_chart_value_reaches_the_application(helm_render):
         "max_tokens_cap": 128,
         "special_tokens_in_messages": True,
         "health_timeout_s": 3.0,
+        "generation_config": "none",
     }
     assert set(chosen) == set(_settings_in_chart())
     override: dict[str, Any] = {"worker": {"gpusPerPod": 0}}  # device "cpu" without GPUs

@@ -30,6 +30,7 @@ def test_a_vllm_serve_command_line_means_the_same_settings() -> None:
         "--block-size", "32",
         "--dtype", "half",
         "--no-enable-prefix-caching",
+        "--generation-config", "vllm",
         "--served-model-name", "llama",
     )  # fmt: skip
     ours = serve_config(
@@ -41,6 +42,7 @@ def test_a_vllm_serve_command_line_means_the_same_settings() -> None:
         "--page-size", "32",
         "--dtype", "float16",
         "--cache-policy", "naive",
+        "--generation-config", "none",
         "--served-model-name", "llama",
     )  # fmt: skip
     assert vllm == ours

@@ -72,7 +72,7 @@ class EngineDeployment:
 
     async def limits(self) -> EngineLimits:
         spec = self.engine.spec
-        return EngineLimits(max_seq_len=spec.max_seq_len, vocab_size=spec.vocab_size)
+        return EngineLimits(spec.max_seq_len, spec.vocab_size, spec.sampling_defaults)
 
     async def generate(
         self,

@@ -35,10 +35,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class EngineLimits:
     """What an engine serves, as it resolved it: the longest sequence (prompt + output:
-    the smaller of the model's context and the KV pool) and the vocabulary size."""
+    the smaller of the model's context and the KV pool), the vocabulary size, and the
+    checkpoint's own sampling settings (`EngineSpec.sampling_defaults`)."""
 
     max_seq_len: int
     vocab_size: int
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 class EngineStream(Protocol):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvray.core import RequestRejected, SamplingParams, StructuredOutputsParams
 from kvray.deploy.generation import EngineLimits, Job
@@ -57,6 +57,10 @@ class Preparer:
         self.engine = engine
         self.policy = policy
         self._document_start = document_start_id(tokenizer)
+        # What a request leaves unset defaults to: the checkpoint's settings, or OpenAI's.
+        self.defaults: dict[str, float | int] = (
+            dict(engine.sampling_defaults) if policy.generation_config == "auto" else {}
+        )
         self._grammar: GrammarCompiler | None = None
 
     @property
@@ -128,7 +132,11 @@ class Preparer:
         for p, ids in enumerate(prompts):
             max_tokens = self._budget(len(ids), req.max_tokens, "max_tokens")
             jobs += [
-                Job(p * n + j, ids, _sampling(req, max_tokens, j, req.logprobs, structured))
+                Job(
+                    p * n + j,
+                    ids,
+                    _sampling(req, max_tokens, j, req.logprobs, structured, self.defaults),
+                )
                 for j in range(n)
             ]
         fields = {"prompt": "prompt", "max_tokens": "max_tokens"}
@@ -161,7 +169,7 @@ class Preparer:
         max_tokens = self._budget(len(ids), requested, field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = tuple(
-            Job(j, ids, _sampling(req, max_tokens, j, logprobs, structured))
+            Job(j, ids, _sampling(req, max_tokens, j, logprobs, structured, self.defaults))
             for j in range(req.num_choices)
         )
         fields = {"prompt": "messages", "max_tokens": field}
@@ -174,7 +182,8 @@ class Preparer:
         cap, default = self.policy.max_tokens_cap, self.policy.max_tokens_default
         if requested is None:
             room = self.engine.max_seq_len - prompt_len
-            return max(1, min(x for x in (room, default, cap) if x is not None))
+            model = self.defaults.get("max_tokens")  # the checkpoint's max_new_tokens
+            return max(1, int(min(x for x in (room, default, cap, model) if x is not None)))
         if cap is not None and requested > cap:
             message = f"{field} is {requested}; this server allows at most {cap} tokens per request"
             raise APIError(400, message, field)
@@ -187,7 +196,12 @@ def _sampling(
     choice: int,
     logprobs: int | None,
     structured: StructuredOutputsParams | None,
+    defaults: Mapping[str, float | int],
 ) -> SamplingParams:
+    def given(name: str, value: float | int | None, openai: float | int) -> Any:
+        """The request's value, else the checkpoint's default, else OpenAI's."""
+        return value if value is not None else defaults.get(name, openai)
+
     # n choices of one seeded request differ from each other, and each is reproducible.
     seed = None if req.seed is None else (req.seed + choice) % (2**63)
     min_tokens = req.min_tokens or 0
@@ -198,13 +212,13 @@ def _sampling(
     return SamplingParams(
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         min_tokens=min_tokens,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=given("repetition_penalty", req.repetition_penalty, 1.0),
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=given("temperature", req.temperature, 1.0),
+        top_p=given("top_p", req.top_p, 1.0),
+        top_k=given("top_k", req.top_k, -1),
+        min_p=given("min_p", req.min_p, 0.0),
         max_tokens=max_tokens,
         stop=tuple(req.stop or ()),
         stop_token_ids=tuple(req.stop_token_ids or ()),

@@ -92,6 +92,14 @@ class ServeConfig(EngineConfig):
         description="paths left open when an API key is set (/health always is)",
         json_schema_extra=cli_aliases("--public-path"),
     )
+    generation_config: Literal["auto", "none"] = Field(
+        default="auto",
+        description="auto: the sampling settings a request leaves unset (temperature, top_p, "
+        "top_k, min_p, repetition_penalty, and max_tokens from max_new_tokens) default to the "
+        "checkpoint's generation_config.json, as in vLLM; none: to OpenAI's (temperature 1, "
+        "top_p 1; vLLM calls this 'vllm')",
+        json_schema_extra={"value_aliases": {"vllm": "none"}},
+    )
     max_tokens_default: int | None = Field(
         default=None,
         gt=0,
@@ -118,6 +126,11 @@ class ServeConfig(EngineConfig):
         description="/health: a busy engine must have made progress within this many seconds, "
         "and an idle one answer a one-token probe within them",
     )
+
+    @field_validator("generation_config", mode="before")
+    @classmethod
+    def _vllm_name(cls, value: object) -> object:
+        return "none" if value == "vllm" else value
 
     @field_validator("api_key", "api_key_env", "model", "served_model_name", mode="before")
     @classmethod

@@ -167,7 +167,8 @@ each other and that would otherwise leave placement groups pending forever.
       "device" (include "kvray.device" .)
       "special_tokens_in_messages" .Values.serve.specialTokensInMessages
       "public_paths" .Values.serve.publicPaths
-      "health_timeout_s" .Values.serve.healthTimeoutS }}
+      "health_timeout_s" .Values.serve.healthTimeoutS
+      "generation_config" .Values.serve.generationConfig }}
 {{- if .Values.model.path }}
 {{- $_ := set $args "model" .Values.model.path }}
 {{- end }}
