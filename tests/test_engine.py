@@ -490,6 +490,9 @@ def test_chat_takes_text_parts_and_the_templates_options(smol) -> None:
     assert tok.decode(carried.prompt_token_ids).endswith("My favourite is")
     with pytest.raises(ValueError, match="continue_final_message needs"):
         smol.chat(started, greedy(1), continue_final_message=True)
+    own = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    (custom,) = smol.chat(plain, greedy(1), chat_template=own)
+    assert custom.prompt_token_ids == smol.encode("<user>Name a colour.\n")
     (bare,) = smol.chat(plain, greedy(1), add_generation_prompt=False)
     assert by_parts.prompt_token_ids[: len(bare.prompt_token_ids)] == bare.prompt_token_ids
     assert len(bare.prompt_token_ids) < len(by_parts.prompt_token_ids)

@@ -543,6 +543,8 @@ def test_the_schema_says_what_the_setting_accepts(name):
     origin = typing.get_origin(kind)
     if origin is typing.Literal:
         assert set(prop["enum"]) - {None} == set(typing.get_args(kind)), name
+    elif origin is tuple and typing.get_args(kind)[0] is str:
+        assert prop["type"] == "array" and prop["items"] == {"type": "string"}, name
     elif origin is tuple:
         assert set(prop["items"]["enum"]) == set(typing.get_args(typing.get_args(kind)[0]))
     elif kind is bool:
@@ -603,6 +605,8 @@ def test_every_chart_value_reaches_the_application(helm_render):
         "special_tokens_in_messages": True,
         "health_timeout_s": 3.0,
         "generation_config": "none",
+        "chat_template": "{{ messages[0]['content'] }}",
+        "allowed_origins": ("https://app.example",),
     }
     assert set(chosen) == set(_settings_in_chart())
     override: dict[str, Any] = {"worker": {"gpusPerPod": 0}}  # device "cpu" without GPUs

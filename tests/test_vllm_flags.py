@@ -4,6 +4,7 @@ change nothing here are accepted with a note saying why."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,19 @@ def test_a_hugging_face_model_id_runs_from_the_hub_cache(tiny, hub_cache) -> Non
         resolve_model_path("no-org/missing")
     with pytest.raises(FileNotFoundError, match="nor a Hugging Face model id"):
         resolve_model_path("/no/such/dir")
+
+
+def test_chat_template_and_allowed_origins_as_vllm_takes_them(tmp_path) -> None:
+    """--chat-template is a file or the Jinja text (a file is read where the app starts:
+    replicas get its text); --allowed-origins repeats, or takes vLLM's JSON list."""
+    jinja = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(jinja)
+    assert serve_config("--chat-template", str(path)).resolved().chat_template == jinja
+    assert serve_config("--chat-template", jinja).resolved().chat_template == jinja
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        serve_config("--chat-template", str(tmp_path / "missing.jinja")).resolved()
+    origins = ("https://a.example", "https://b.example")
+    assert serve_config("--allowed-origins", json.dumps(list(origins))).allowed_origins == origins
+    repeated = serve_config("--allowed-origins", origins[0], "--allowed-origins", origins[1])
+    assert repeated.allowed_origins == origins and serve_config().allowed_origins == ()

@@ -17,7 +17,15 @@ from kvray.cluster.spec import EngineSpec
 from kvray.config import VLLM_ENGINE_ARGS, VLLM_IGNORED_ARGS, EngineConfig
 from kvray.core import FinishReason, SamplingParams, TokenEvent
 from kvray.grammar import GrammarCompiler, compiler_for
-from kvray.text import Message, OutputState, chat_ids, encode, load_tokenizer, text_messages
+from kvray.text import (
+    Message,
+    OutputState,
+    chat_ids,
+    encode,
+    load_chat_template,
+    load_tokenizer,
+    text_messages,
+)
 
 # Text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}.
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -236,6 +244,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[CompletionOutput]:
         """Apply the chat template to one conversation or a list of them and generate.
@@ -243,7 +252,8 @@ class LLM:
         typed in a message stays text (see `kvray.text.prompt`) unless
         `special_tokens_in_messages`. The keywords are vLLM's: the template's
         `add_generation_prompt`, `continue_final_message` (the reply carries on the last
-        message), the `tools` it renders, more variables in `chat_template_kwargs`."""
+        message), the `tools` it renders, `chat_template` (Jinja text, or a file holding
+        it, instead of the tokenizer's), more variables in `chat_template_kwargs`."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         if add_generation_prompt and continue_final_message:
@@ -254,6 +264,8 @@ class LLM:
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
         }
+        if chat_template is not None:
+            options["chat_template"] = load_chat_template(chat_template)
         prompts = [
             chat_ids(
                 self.tokenizer,

@@ -320,9 +320,13 @@ def create_app(
     health: Callable[[], Awaitable[bool]] | None = None,
     public_paths: Collection[str] = (),
     state: ServerState | None = None,
+    allowed_origins: Collection[str] = (),
 ) -> ASGIApp:
     """The ASGI app. With `api_key`, every path but /health (and `public_paths`, a subset
-    of OPTIONAL_PUBLIC_PATHS) needs `Authorization: Bearer <key>`."""
+    of OPTIONAL_PUBLIC_PATHS) needs `Authorization: Bearer <key>`. `allowed_origins`: the
+    origins browsers may call it from (CORS; none by default). A CORS preflight is answered
+    before the key is checked (browsers send it without credentials), and every answer to
+    an allowed origin carries the CORS headers, errors included."""
     unknown = set(public_paths) - set(OPTIONAL_PUBLIC_PATHS)
     if unknown:
         raise ValueError(f"public_paths may hold only {OPTIONAL_PUBLIC_PATHS}, not {unknown}")
@@ -393,4 +397,15 @@ def create_app(
     async def openapi_json() -> JSONResponse:
         return JSONResponse(openapi)
 
-    return _Front(app, state or ServerState(), api_key, open_paths)
+    front: ASGIApp = _Front(app, state or ServerState(), api_key, open_paths)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        front = CORSMiddleware(
+            front,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
+            allow_headers=["*"],  # Authorization, Content-Type, OpenAI's X-Stainless-*
+            max_age=600,
+        )
+    return front

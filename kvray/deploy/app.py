@@ -416,6 +416,8 @@ class Ingress:
         self.settings = s
         self.engine = engine
         self.tokenizer = load_tokenizer(resolve_model_path(s.model, progress=False))
+        if s.chat_template is not None:  # (resolved settings: the template's text)
+            self.tokenizer.chat_template = s.chat_template
         self.registry = CollectorRegistry()
         name = s.served_model_name
         assert name is not None, "replicas get resolved settings (ServeConfig.resolved)"
@@ -481,7 +483,13 @@ class Ingress:
             s,
         )
         return create_app(
-            self.serving, self.registry, s.api_key, self._healthy, s.public_paths, self.state
+            self.serving,
+            self.registry,
+            s.api_key,
+            self._healthy,
+            s.public_paths,
+            self.state,
+            s.allowed_origins,
         )
 
 

@@ -92,6 +92,16 @@ class ServeConfig(EngineConfig):
         description="paths left open when an API key is set (/health always is)",
         json_schema_extra=cli_aliases("--public-path"),
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="a chat template instead of the tokenizer's (for a checkpoint with none, "
+        "or to change it): the Jinja text, or a file holding it, read where the app starts",
+    )
+    allowed_origins: tuple[str, ...] = Field(
+        default=(),
+        description="origins a browser may call the API from (CORS; '*' for any); vLLM's JSON "
+        "list is read too. Empty: no CORS headers, so browsers on other origins are refused",
+    )
     generation_config: Literal["auto", "none"] = Field(
         default="auto",
         description="auto: the sampling settings a request leaves unset (temperature, top_p, "
@@ -126,6 +136,19 @@ class ServeConfig(EngineConfig):
         description="/health: a busy engine must have made progress within this many seconds, "
         "and an idle one answer a one-token probe within them",
     )
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _json_list(cls, value: object) -> object:
+        """vLLM's spelling, one JSON list (`--allowed-origins '["*"]'`), read as the list."""
+        if isinstance(value, list | tuple) and len(value) == 1 and isinstance(value[0], str):
+            if value[0].lstrip().startswith("["):
+                import json
+
+                return json.loads(value[0])
+        if isinstance(value, str):
+            return [value]
+        return value
 
     @field_validator("generation_config", mode="before")
     @classmethod
@@ -183,6 +206,17 @@ class ServeConfig(EngineConfig):
         elif name is None:
             assert model is not None
             name = PurePath(model.rstrip("/")).name or model
+        template = self.chat_template
+        if template is not None:  # a file is read here; replicas elsewhere get its text
+            from kvray.text import load_chat_template
+
+            template = load_chat_template(template)
         return self.model_copy(
-            update={"api_key": key, "api_key_env": None, "model": model, "served_model_name": name}
+            update={
+                "api_key": key,
+                "api_key_env": None,
+                "model": model,
+                "served_model_name": name,
+                "chat_template": template,
+            }
         )

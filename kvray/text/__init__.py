@@ -9,6 +9,7 @@ from kvray.text.prompt import (
     chat_ids,
     document_start_id,
     encode,
+    load_chat_template,
     load_tokenizer,
     text_messages,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "chat_ids",
     "document_start_id",
     "encode",
+    "load_chat_template",
     "load_tokenizer",
     "text_messages",
 ]

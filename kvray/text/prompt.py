@@ -54,6 +54,19 @@ def document_start_id(tokenizer: Tokenizer) -> int | None:
     return None
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template given as vLLM's --chat-template takes one: the Jinja text itself, or
+    a file holding it. ValueError when `value` is neither."""
+    if "{" in value:  # Jinja text ({{ ... }} / {% ... %}): no file name holds that
+        return value
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    raise ValueError(
+        f"chat_template {value!r} is neither a file nor a Jinja template (no {{{{ or {{% in it)"
+    )
+
+
 def text_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages whose content is OpenAI's list of text parts (`[{"type": "text", "text":
     ...}]`) with that content joined into one string, as the server reads them; ValueError
@@ -81,10 +94,11 @@ def chat_ids(
     """Token ids of `messages` through the chat template, ready for the assistant's reply
     (`tools` are handed to the template, for templates that render them). `options` go to
     the template as well: `add_generation_prompt` (default true), `continue_final_message`
-    (the reply continues the last message), and any variable the template reads. Raises
+    (the reply continues the last message), `chat_template` (another template than the
+    tokenizer's), and any variable the template reads. Raises
     RequestRejected (param `messages`) when the model has no chat template, or when typed
     special-token text cannot be kept as text."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and not (options or {}).get("chat_template"):
         raise RequestRejected("this model's tokenizer has no chat template", "messages")
     text = _render(tokenizer, messages, tools, options)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -168,7 +168,8 @@ each other and that would otherwise leave placement groups pending forever.
       "special_tokens_in_messages" .Values.serve.specialTokensInMessages
       "public_paths" .Values.serve.publicPaths
       "health_timeout_s" .Values.serve.healthTimeoutS
-      "generation_config" .Values.serve.generationConfig }}
+      "generation_config" .Values.serve.generationConfig
+      "allowed_origins" .Values.serve.allowedOrigins }}
 {{- if .Values.model.path }}
 {{- $_ := set $args "model" .Values.model.path }}
 {{- end }}
@@ -180,6 +181,9 @@ each other and that would otherwise leave placement groups pending forever.
 {{- end }}
 {{- if not (kindIs "invalid" $e.maxSeqLen) }}
 {{- $_ := set $args "max_seq_len" (int $e.maxSeqLen) }}
+{{- end }}
+{{- if .Values.serve.chatTemplate }}
+{{- $_ := set $args "chat_template" .Values.serve.chatTemplate }}
 {{- end }}
 {{- if not (kindIs "invalid" .Values.serve.maxTokensDefault) }}
 {{- $_ := set $args "max_tokens_default" (int .Values.serve.maxTokensDefault) }}
