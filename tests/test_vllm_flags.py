@@ -83,6 +83,7 @@ def test_flags_that_change_nothing_are_accepted_with_a_note(
     argv = [
         "--trust-remote-code",
         "--gpu-memory-utilization", "0.9",
+        "--enforce-eager",
         "--enable-auto-tool-choice",
         "--tool-call-parser", "hermes",
     ]  # fmt: skip

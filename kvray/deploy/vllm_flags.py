@@ -23,6 +23,10 @@ _NOTED: dict[str, tuple[dict[str, object], str]] = {
         {"type": float, "metavar": "FRACTION"},
         "the KV pool is sized by --kv-cache-memory-gb (per rank) or --num-pages",
     ),
+    "--enforce-eager": (
+        {"action": "store_true"},
+        "kvray always runs eagerly (no CUDA graphs or torch.compile to turn off)",
+    ),
     "--enable-auto-tool-choice": (
         {"action": "store_true"},
         "tool calling is always on (tool_choice auto, required or a named function)",
