@@ -131,17 +131,22 @@ class EngineFollowingRouter(RequestRouter):
         one id, Serve indexes only the first, and the others were never given a replica
         (they hung). Each routing task routes one request at a time, so the request whose
         routing task is the running task is the one `replica` was chosen for."""
+        # (Serve's internals, read defensively: a Ray whose router lacks any of them gets
+        # the base behaviour, which serves every request of one engine call.)
         by_future = getattr(self, "_routing_task_by_pending_request_future", None)
         queue = getattr(self, "_pending_requests_to_fulfill", None)
+        record = getattr(self, "_record_queue_wait_time", None)
+        unindex = getattr(self, "_remove_pending_request_from_indices", None)
         task = asyncio.current_task()
-        if by_future is None or queue is None or task is None:
+        if None in (by_future, queue, record, unindex, task):
             super()._fulfill_next_pending_request(replica, request_metadata)
             return
+        assert by_future is not None and queue is not None and record and unindex
         for pending in queue:
             if by_future.get(pending.future) is task and not pending.future.done():
-                self._record_queue_wait_time(pending)
+                record(pending)
                 pending.future.set_result(replica)
-                self._remove_pending_request_from_indices(pending)
+                unindex(pending)
                 return
         super()._fulfill_next_pending_request(replica, request_metadata)
 
