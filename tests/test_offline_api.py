@@ -144,6 +144,7 @@ def test_default_params_are_the_checkpoints_own(tiny, tmp_path) -> None:
     with LLM(path, dtype="float32", progress=False) as llm:
         want = SamplingParams(temperature=0.6, top_p=0.9, top_k=20, max_tokens=7)
         assert llm.get_default_sampling_params() == want
+        assert llm.get_tokenizer() is llm.tokenizer is not None
         (out,) = llm.generate(TINY_PROMPTS[0])
         assert len(out.token_ids) == 7
         (out,) = llm.generate(TINY_PROMPTS[0], SamplingParams(max_tokens=3))

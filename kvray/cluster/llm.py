@@ -214,6 +214,10 @@ class LLM:
             raise
         return states
 
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (vLLM's name for `tokenizer`); None without one."""
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no params: SamplingParams' defaults
         under the checkpoint's own (generation_config.json's temperature, top_p, top_k,
