@@ -5,7 +5,13 @@ Framework-free: `OpenAIServing` takes validated requests and returns a response 
 for a stream an async iterator of chunk models; `api.py` serializes them at the HTTP edge
 (JSON, or server-sent events). Turning a request into engine requests is `prepare.py`'s
 job and running them `generation.py`'s; what is left here is the response bodies: text,
-finish reasons, logprobs and usage, whole or chunk by chunk.
+finish reasons, logprobs and usage, whole or chunk by chunk, and vLLM's extras on them:
+`echo`, `return_token_ids` and `stream_options.continuous_usage_stats`.
+
+A stream holds back what is not ready to show (part of a character, a possible stop
+string, a tool call that may be starting); the logprobs and token ids of the tokens held
+go out with the next chunk sent, so a stream carries every token, as the whole response
+does.
 """
 
 from __future__ import annotations
@@ -228,10 +234,15 @@ class OpenAIServing:
         if req.stream:
             return ChunkStream(self._completion_chunks(req, prepared, gen, head), gen)
         await gen.wait()
-        choices = [
-            self._completion_choice(req, i, out, self._offsets(req))
-            for i, out in enumerate(gen.outputs)
-        ]
+        choices = []
+        for i, out in enumerate(gen.outputs):
+            choice = self._completion_choice(req, i, out, self._offsets(req))
+            if req.echo:
+                choice.text = prepared.echoed(i) + choice.text
+            if req.return_token_ids:
+                choice.prompt_token_ids = list(prepared.jobs[i].prompt_ids)
+                choice.token_ids = list(out.token_ids)
+            choices.append(choice)
         return Completion(**head, choices=choices, usage=_usage(prepared, gen.outputs))
 
     def _offsets(self, req: CompletionRequest) -> TextOffsets:
@@ -259,22 +270,47 @@ class OpenAIServing:
     ) -> AsyncGenerator[Completion, None]:
         # Where each choice's next token's text starts, over the tokens sent so far.
         offsets = [self._offsets(req) for _ in gen.outputs]
-        # Each choice's logprobs of tokens whose text is still held back (part of a
-        # character, a possible stop string): they go out with the next chunk sent, so the
-        # stream carries every token's logprob, as the whole response would.
-        held: list[list[Logprob]] = [[] for _ in gen.outputs]
+        # Each choice's tokens whose text is still held back (part of a character, a
+        # possible stop string): they go out with the next chunk sent.
+        held = [_Held() for _ in gen.outputs]
+        started = [False] * len(gen.outputs)  # the choice's first chunk has gone out
         async with aclosing(gen.deltas()) as deltas:
             async for c in deltas:
-                d = c.delta
-                held[c.index] += d.logprobs
+                d, i = c.delta, c.index
+                held[i].add(d)
                 if not d.shows_something:
                     continue
-                d = dataclasses.replace(d, logprobs=tuple(held[c.index]))
-                held[c.index].clear()
-                choice = self._completion_choice(req, c.index, d, offsets[c.index])
-                yield Completion(**head, choices=[choice])
+                logprobs, token_ids = held[i].take()
+                d = dataclasses.replace(d, logprobs=logprobs)
+                choice = self._completion_choice(req, i, d, offsets[i])
+                first, started[i] = not started[i], True
+                if first and req.echo:  # as vLLM: the prompt comes with the first chunk
+                    choice.text = prepared.echoed(i) + choice.text
+                if req.return_token_ids:
+                    if first:
+                        choice.prompt_token_ids = list(prepared.jobs[i].prompt_ids)
+                    choice.token_ids = token_ids
+                usage = self._choice_usage(req, prepared, gen, i)
+                yield Completion(**head, choices=[choice], usage=usage)
         if req.include_usage:
             yield Completion(**head, choices=[], usage=_usage(prepared, gen.outputs))
+
+    @staticmethod
+    def _choice_usage(
+        req: CompletionRequest | ChatCompletionRequest,
+        prepared: Prepared,
+        gen: Generation,
+        index: int,
+    ) -> Usage | None:
+        """A chunk's usage under continuous_usage_stats (else None): as vLLM counts it, its
+        choice's prompt and the tokens that choice generated so far."""
+        if not req.continuous_usage:
+            return None
+        prompt = len(prepared.jobs[index].prompt_ids)
+        completion = len(gen.outputs[index].token_ids)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
 
     # -- /v1/chat/completions ----------------------------------------------------------------
 
@@ -290,9 +326,12 @@ class OpenAIServing:
         await gen.wait()
         choices = []
         chose = req.tool_mode != "named"  # the model chose to call tools, if it called any
+        echoed = req.echoed()
         for i, out in enumerate(gen.outputs):
             assert out.finish_reason is not None
             content, calls = prepared.tools.reply(out.text, out.finish_reason)
+            if echoed:  # as vLLM: the last message's content, then the reply's
+                content = echoed + (content or "")
             message = AssistantMessage(content=content, tool_calls=calls or None)
             choices.append(
                 ChatChoice(
@@ -300,39 +339,60 @@ class OpenAIServing:
                     message=message,
                     logprobs=self._chat_logprobs(out.logprobs) if req.logprobs else None,
                     finish_reason=_finish(out.finish_reason, chose and bool(calls)),
+                    token_ids=list(out.token_ids) if req.return_token_ids else None,
                 )
             )
-        return ChatCompletion(**head, choices=choices, usage=_usage(prepared, gen.outputs))
+        prompt_ids = list(prepared.jobs[0].prompt_ids) if req.return_token_ids else None
+        return ChatCompletion(
+            **head,
+            choices=choices,
+            usage=_usage(prepared, gen.outputs),
+            prompt_token_ids=prompt_ids,
+        )
 
     async def _chat_chunks(
         self, req: ChatCompletionRequest, prepared: Prepared, gen: Generation, head: _Head
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
+        prompt_ids = list(prepared.jobs[0].prompt_ids) if req.return_token_ids else None
         for i in range(len(gen.outputs)):
             role = ChatDelta(role="assistant", content="")
             first = ChatChunkChoice(index=i, delta=role, logprobs=None, finish_reason=None)
-            yield ChatCompletionChunk(**head, choices=[first])
+            yield ChatCompletionChunk(
+                **head,
+                choices=[first],
+                usage=self._choice_usage(req, prepared, gen, i),
+                prompt_token_ids=prompt_ids,
+            )
+        echoed = req.echoed()
+        for i in range(len(gen.outputs) if echoed else 0):  # as vLLM: after the roles
+            repeat = ChatChunkChoice(
+                index=i, delta=ChatDelta(content=echoed), logprobs=None, finish_reason=None
+            )
+            usage = self._choice_usage(req, prepared, gen, i)
+            yield ChatCompletionChunk(**head, choices=[repeat], usage=usage)
         replies = [ReplyStream(prepared.tools) for _ in gen.outputs]
         chose = req.tool_mode != "named"  # as in chat()
-        held: list[list[Logprob]] = [[] for _ in gen.outputs]  # as in _completion_chunks
+        held = [_Held() for _ in gen.outputs]  # as in _completion_chunks
         async with aclosing(gen.deltas()) as deltas:
             async for c in deltas:
-                d = c.delta
-                held[c.index] += d.logprobs
+                d, i = c.delta, c.index
+                held[i].add(d)
                 if not d.shows_something:
                     continue
-                reply = replies[c.index]
+                reply = replies[i]
                 text, calls = reply.push(d.text, d.finish_reason)
                 if not (text or calls or d.finish_reason):
                     continue  # held back (a tool call may be starting)
-                logprobs = self._chat_logprobs(held[c.index]) if req.logprobs else None
-                held[c.index].clear()
+                entries, token_ids = held[i].take()
                 choice = ChatChunkChoice(
-                    index=c.index,
+                    index=i,
                     delta=ChatDelta(content=text or None, tool_calls=calls or None),
-                    logprobs=logprobs,
+                    logprobs=self._chat_logprobs(entries) if req.logprobs else None,
                     finish_reason=_finish(d.finish_reason, chose and reply.called),
+                    token_ids=token_ids if req.return_token_ids else None,
                 )
-                yield ChatCompletionChunk(**head, choices=[choice])
+                usage = self._choice_usage(req, prepared, gen, i)
+                yield ChatCompletionChunk(**head, choices=[choice], usage=usage)
         if req.include_usage:
             yield ChatCompletionChunk(**head, choices=[], usage=_usage(prepared, gen.outputs))
 
@@ -371,6 +431,24 @@ class OpenAIServing:
                 for i, v in top:  # best first; two ids of the same bytes keep the better
                     tops.setdefault(self._token_text(i), v)
             out.top_logprobs.append(tops)
+        return out
+
+
+class _Held:
+    """One streamed choice's tokens not sent yet: their logprobs and ids."""
+
+    def __init__(self) -> None:
+        self.logprobs: list[Logprob] = []
+        self.token_ids: list[int] = []
+
+    def add(self, delta: OutputDelta) -> None:
+        self.logprobs += delta.logprobs
+        self.token_ids += delta.token_ids
+
+    def take(self) -> tuple[tuple[Logprob, ...], list[int]]:
+        """What goes out with the chunk being sent; nothing is held after."""
+        out = (tuple(self.logprobs), self.token_ids)
+        self.logprobs, self.token_ids = [], []
         return out
 
 

@@ -36,10 +36,19 @@ class Prepared:
     prompt_lens: tuple[int, ...]  # one per prompt (n choices share theirs), for usage
     fields: Mapping[str, str]  # the engine's field name -> the request's
     tools: ToolMode = ToolMode("none")  # how the reply may call tools (chat)
+    # One per prompt, with echo (completions): the prompt's text, which each of its
+    # choices' text begins with.
+    echo_texts: tuple[str, ...] = ()
 
     @property
     def constrained(self) -> bool:
         return any(j.sampling.structured_outputs is not None for j in self.jobs)
+
+    def echoed(self, choice: int) -> str:
+        """The prompt text choice `choice` begins with ("" without echo)."""
+        if not self.echo_texts:
+            return ""
+        return self.echo_texts[choice // (len(self.jobs) // len(self.echo_texts))]
 
     def rejected(self, e: RequestRejected) -> APIError:
         """The engine's rejection as a 400 naming the request's field. The engine calls
@@ -140,7 +149,21 @@ class Preparer:
                 for j in range(n)
             ]
         fields = {"prompt": "prompt", "max_tokens": "max_tokens"}
-        return Prepared(tuple(jobs), tuple(len(p) for p in prompts), fields)
+        echo_texts: tuple[str, ...] = ()
+        if req.echo:
+            echo_texts = tuple(self._prompt_text(p) for p in given or [[]])
+        return Prepared(tuple(jobs), tuple(len(p) for p in prompts), fields, echo_texts=echo_texts)
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt's text for echo: a text prompt as sent, a token-id prompt decoded
+        (special tokens included, as vLLM decodes it); a null prompt has none."""
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt or not all(0 <= t < self.engine.vocab_size for t in prompt):
+            return ""  # none, or ids the engine refuses (a 400 naming the prompt follows)
+        text = self.tokenizer.decode(prompt)
+        assert isinstance(text, str)
+        return text
 
     def chat(self, req: ChatCompletionRequest) -> Prepared:
         self._check_bias(req)

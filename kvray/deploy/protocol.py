@@ -4,9 +4,9 @@ Requests accept what OpenAI clients send, and vLLM's extra fields; other unknown
 are ignored (as vLLM does). Every field the OpenAI reference marks nullable accepts `null`,
 which means its default (`docs/api.md` has the table). `max_tokens: null` keeps vLLM's
 meaning instead: no limit from the client, so the server's default applies. Fields kvray
-cannot honour (echo, suffix, best_of != n, and the vLLM extras marked `_Only`) are refused
-with a 400 naming the field, unless they hold the value that changes nothing, rather than
-silently ignored.
+cannot honour (suffix, best_of != n, echo with logprobs, and the vLLM extras marked
+`_Only`) are refused with a 400 naming the field, unless they hold the value that changes
+nothing, rather than silently ignored.
 
 Structured outputs come in every spelling vLLM accepts: `response_format` (OpenAI's
 `json_object` and `json_schema`), the `structured_outputs` object (`json`, `regex`,
@@ -300,6 +300,12 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = Field(
+        default=False,
+        description=(
+            "vLLM extra: with include_usage, every chunk also carries its choice's usage so far"
+        ),
+    )
 
 
 class JSONSchemaFormat(_Request):
@@ -411,6 +417,10 @@ class _SamplingFields(_Request):
     return_tokens_as_token_ids: Annotated[Any, _Only(False)] = None
     priority: Annotated[Any, _Only(0)] = None
     cache_salt: Annotated[Any, _Only()] = None
+    return_token_ids: StrictBool | None = Field(
+        default=False,
+        description="vLLM extra: the response also carries the prompt's and the choices' token ids",
+    )
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -500,8 +510,20 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries usage (vLLM: continuous_usage_stats, with include_usage)."""
+        so = self.stream_options
+        return bool(so and so.include_usage and so.continuous_usage_stats)
+
 
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(
+        json_schema_extra={  # what `_echo` checks, published
+            "if": {"required": ["echo"], "properties": {"echo": {"const": True}}},
+            "then": {"properties": {"logprobs": {"type": "null"}}},
+        }
+    )
     _null_is_a_value: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
 
     prompt: PromptField | None = Field(
@@ -511,7 +533,9 @@ class CompletionRequest(_SamplingFields):
         default=16, ge=1, description="null: up to the server's default (--max-tokens-default)"
     )
     logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: StrictBool | None = Field(default=False, json_schema_extra=_published({"const": False}))
+    echo: StrictBool | None = Field(
+        default=False, description="each choice's text begins with its prompt; not with logprobs"
+    )
     suffix: Text | None = Field(
         default=None, json_schema_extra=_published({"type": "string", "maxLength": 0})
     )
@@ -522,9 +546,12 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("echo is not supported by kvray (send false or omit it)")
+    def _echo(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError(
+                "with logprobs, echo would also return the prompt tokens' logprobs, which "
+                "kvray does not compute (send echo: false, or logprobs: null)"
+            )
         return v
 
     @field_validator("suffix")
@@ -647,13 +674,44 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="vLLM extra: more variables for the chat template"
     )
-    echo: Annotated[Any, _Only(False)] = None
+    echo: StrictBool | None = Field(
+        default=False,
+        description="vLLM extra: the reply begins with the last message's content when that "
+        "message is the assistant's",
+    )
     add_special_tokens: Annotated[Any, _Only(False)] = None
     chat_template: Annotated[Any, _Only()] = None
     documents: Annotated[Any, _Only()] = None
 
     _continue_or_prompt = field_validator("continue_final_message")(_continue_or_prompt)
     _template_variables = field_validator("chat_template_kwargs")(_template_variables)
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        """vLLM replies in the last message's role when there is no generation prompt,
+        and echo repeats that message; kvray always replies as the assistant."""
+        messages = info.data.get("messages")
+        if not v or not messages or "add_generation_prompt" not in info.data:
+            return v  # messages or add_generation_prompt is invalid: its error is reported
+        role = messages[-1].role
+        if info.data["add_generation_prompt"] is False and role != "assistant":
+            raise ValueError(
+                f"with add_generation_prompt false, echo would repeat the last message in "
+                f"its own role ({role}); kvray replies as the assistant only (send echo: "
+                "false, or end the messages with an assistant message)"
+            )
+        return v
+
+    def echoed(self) -> str:
+        """What echo puts before each reply: the last message's content if it is the
+        assistant's (the role of the reply), as vLLM does; text parts joined by newlines."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(part.text for part in last.content)
 
     @field_validator("tool_choice")
     @classmethod
@@ -772,6 +830,10 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -790,6 +852,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    # vLLM's return_token_ids: the choice's prompt (in a stream: its first chunk only)
+    # and the tokens generated (in a stream: the chunk's own).
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
 
 
 class Completion(BaseModel):
@@ -817,10 +883,6 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
-def _is_none(value: object) -> bool:
-    return value is None
-
-
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
@@ -832,6 +894,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # return_token_ids
 
 
 class ChatCompletion(BaseModel):
@@ -841,6 +904,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # as vLLM
 
 
 class FunctionCallDelta(BaseModel):
@@ -871,6 +935,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # the chunk's own
 
 
 class ChatCompletionChunk(BaseModel):
@@ -880,6 +945,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # return_token_ids: on each choice's first chunk (its role), as vLLM sends it
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ModelCard(BaseModel):

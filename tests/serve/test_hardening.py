@@ -141,6 +141,7 @@ CMPL_NULLABLE = [
     "min_p",
     "ignore_eos",
     "stop_token_ids",
+    "return_token_ids",
 ]
 CHAT_NULLABLE = [
     "audio",
@@ -175,6 +176,8 @@ CHAT_NULLABLE = [
     "min_p",
     "ignore_eos",
     "stop_token_ids",
+    "return_token_ids",
+    "echo",
 ]
 
 
@@ -187,6 +190,7 @@ def test_null_is_the_default_on_completions(http: httpx.Client, field: str) -> N
     out = r.json()
     assert len(out["choices"]) == 1 and out["choices"][0]["logprobs"] is None
     assert out["model"] == MODEL
+    assert "token_ids" not in out["choices"][0]  # return_token_ids null = false
 
 
 @pytest.mark.parametrize("field", CHAT_NULLABLE)
@@ -196,6 +200,7 @@ def test_null_is_the_default_on_chat(http: httpx.Client, field: str) -> None:
     assert r.status_code == 200, r.text
     out = r.json()
     assert len(out["choices"]) == 1 and out["choices"][0]["logprobs"] is None
+    assert "token_ids" not in out["choices"][0] and "prompt_token_ids" not in out
 
 
 def test_nulls_inside_messages_and_stream_options(http: httpx.Client) -> None:
@@ -208,7 +213,7 @@ def test_nulls_inside_messages_and_stream_options(http: httpx.Client) -> None:
         ],
         "max_tokens": 2,
         "stream": True,
-        "stream_options": {"include_usage": None},
+        "stream_options": {"include_usage": None, "continuous_usage_stats": None},
     }
     with http.stream("POST", CHAT, json=body) as r:
         assert r.status_code == 200

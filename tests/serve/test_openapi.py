@@ -81,6 +81,32 @@ def test_document_describes_every_body(document: dict[str, Any]) -> None:
     assert paths["/health"]["get"]["security"] == []
 
 
+def test_document_describes_the_vllm_output_extras(document: dict[str, Any]) -> None:
+    """echo, return_token_ids and continuous_usage_stats, and where their output goes."""
+    schemas = document["components"]["schemas"]
+    boolean = [{"type": "boolean"}, {"type": "null"}]
+    cmpl, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
+    for request in (cmpl, chat):
+        for field in ("echo", "return_token_ids"):
+            assert request["properties"][field]["anyOf"] == boolean, field
+    assert schemas["StreamOptions"]["properties"]["continuous_usage_stats"]["anyOf"] == boolean
+    # echo with logprobs is refused: the document says so
+    assert cmpl["if"] == {"required": ["echo"], "properties": {"echo": {"const": True}}}
+    assert cmpl["then"] == {"properties": {"logprobs": {"type": "null"}}}
+    ids = {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]}
+    for model, fields in (
+        ("CompletionChoice", ("prompt_token_ids", "token_ids")),
+        ("ChatChoice", ("token_ids",)),
+        ("ChatChunkChoice", ("token_ids",)),
+        ("ChatCompletion", ("prompt_token_ids",)),
+        ("ChatCompletionChunk", ("prompt_token_ids",)),
+    ):
+        for field in fields:
+            published = schemas[model]["properties"][field]
+            assert published["anyOf"] == ids["anyOf"], (model, field)
+            assert field not in schemas[model].get("required", []), (model, field)
+
+
 def test_document_describes_the_utility_endpoints(document: dict[str, Any]) -> None:
     paths = document["paths"]
     schemas = document["components"]["schemas"]
