@@ -282,7 +282,7 @@ def test_config_parsing(checkpoints, tmp_path: Path) -> None:
     assert cfg.rope_theta == 1234.0 and cfg.rope_scaling.factor == 2.0
     assert cfg.eos_token_ids == (5, 7) and cfg.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unsupported architecture"):
-        ModelConfig.from_dict({**raw, "architectures": ["MistralForCausalLM"]})
+        ModelConfig.from_dict({**raw, "architectures": ["GemmaForCausalLM"]})
     with pytest.raises(ValueError, match="rope type"):
         ModelConfig.from_dict({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
     incomplete = {k: v for k, v in LLAMA3_ROPE.items() if k != "low_freq_factor"}
