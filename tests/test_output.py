@@ -79,12 +79,14 @@ def test_a_stop_string_wins_over_the_finish_that_came_with_it(tok) -> None:
 
 
 @pytest.mark.parametrize("word", ["world", "done"])
-def test_stop_strings_count_from_the_token_after_min_tokens(tok, word) -> None:
+@pytest.mark.parametrize("other", [(), ("a much longer stop string",)])
+def test_stop_strings_count_from_the_token_after_min_tokens(tok, word, other) -> None:
     """As vLLM: a stop string that a request's first min_tokens tokens complete does not
-    end it (nor is it found later); one completed by a later token does."""
+    end it (nor is it found later, also beside a longer stop string that widens the text
+    held back); one completed by a later token does."""
     ids = ids_of(tok, TEXT)
     world = next(i for i in range(len(ids)) if "world" in tok.decode(ids[: i + 1]))
-    out = state(tok, max_tokens=100, min_tokens=world + 1, stop=(word,))
+    out = state(tok, max_tokens=100, min_tokens=world + 1, stop=(word, *other))
     deltas = feed(out, ids, None)
     hits = [i for i, d in enumerate(deltas) if d.stop_string_hit]
     if word == "world":  # completed by token min_tokens: never a stop

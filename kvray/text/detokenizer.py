@@ -83,8 +83,14 @@ class IncrementalDetokenizer:
         if delta:
             self.text += delta
             if self.stop and find_stop:
-                window = max(0, len(self.text) - len(delta) - self._max_stop + 1)
-                hits = [(i, s) for s in self.stop if (i := self.text.find(s, window)) >= 0]
+                # Each stop string is searched only where it would end inside `delta`:
+                # one that earlier text completed (under min_tokens) is never found later.
+                end = len(self.text) - len(delta) + 1
+                hits = [
+                    (i, s)
+                    for s in self.stop
+                    if (i := self.text.find(s, max(0, end - len(s)))) >= 0
+                ]
                 if hits:
                     at, stop = min(hits, key=lambda hit: hit[0])
                     self.text = self.text[: at + len(stop) if self.include_stop else at]
