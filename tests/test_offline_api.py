@@ -166,3 +166,15 @@ def test_generate_reports_bad_settings_in_one_line(
     assert main(["generate", "--prompt", "hi", *flags]) == 2
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_enable_prefix_caching_none_is_vllms_default_not_off() -> None:
+    """vLLM's LLM(enable_prefix_caching=None) means "not given"; True / False pick the
+    cache policy; a contradiction is an error."""
+    from kvray.cluster.llm import _engine_args
+
+    assert _engine_args({"enable_prefix_caching": None}) == {}
+    assert _engine_args({"enable_prefix_caching": True}) == {"cache_policy": "radix"}
+    assert _engine_args({"enable_prefix_caching": False}) == {"cache_policy": "naive"}
+    with pytest.raises(ValueError, match="contradicts"):
+        _engine_args({"enable_prefix_caching": False, "cache_policy": "radix"})

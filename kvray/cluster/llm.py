@@ -307,8 +307,9 @@ def _engine_args(kwargs: dict[str, Any]) -> dict[str, Any]:
             if ours in out:
                 raise ValueError(f"{vllm_name} and {ours} name one setting: give one")
             out[ours] = out.pop(vllm_name)
-    if "enable_prefix_caching" in out:
-        policy = "radix" if out.pop("enable_prefix_caching") else "naive"
+    # None is vLLM's default ("the engine decides"): the same as not giving it.
+    if (enable := out.pop("enable_prefix_caching", None)) is not None:
+        policy = "radix" if enable else "naive"
         if out.setdefault("cache_policy", policy) != policy:
             raise ValueError(
                 f"enable_prefix_caching contradicts cache_policy={out['cache_policy']!r}"
