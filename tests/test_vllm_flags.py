@@ -155,3 +155,8 @@ def test_chat_template_and_allowed_origins_as_vllm_takes_them(tmp_path) -> None:
     assert serve_config("--allowed-origins", json.dumps(list(origins))).allowed_origins == origins
     repeated = serve_config("--allowed-origins", origins[0], "--allowed-origins", origins[1])
     assert repeated.allowed_origins == origins and serve_config().allowed_origins == ()
+    # a serve config's value: the JSON list as one string, a list, or one origin
+    as_json = ServeConfig(allowed_origins=json.dumps(list(origins)))
+    assert as_json.allowed_origins == ServeConfig(allowed_origins=list(origins)).allowed_origins
+    assert as_json.allowed_origins == origins
+    assert ServeConfig(allowed_origins=origins[0]).allowed_origins == origins[:1]

@@ -140,13 +140,15 @@ class ServeConfig(EngineConfig):
     @field_validator("allowed_origins", mode="before")
     @classmethod
     def _json_list(cls, value: object) -> object:
-        """vLLM's spelling, one JSON list (`--allowed-origins '["*"]'`), read as the list."""
+        """vLLM's spelling, one JSON list (`--allowed-origins '["*"]'`, or that string in a
+        serve config), read as the list; any other string is one origin."""
         if isinstance(value, list | tuple) and len(value) == 1 and isinstance(value[0], str):
-            if value[0].lstrip().startswith("["):
+            value = value[0]
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
                 import json
 
-                return json.loads(value[0])
-        if isinstance(value, str):
+                return json.loads(value)
             return [value]
         return value
 
