@@ -141,6 +141,32 @@ def test_a_hugging_face_model_id_runs_from_the_hub_cache(tiny, hub_cache) -> Non
         resolve_model_path("/no/such/dir")
 
 
+def test_a_partly_cached_hub_model_is_not_taken_for_a_checkpoint(tiny, hub_cache) -> None:
+    """What AutoConfig / AutoTokenizer leave in the cache (config and tokenizer, no
+    weights; or an index whose shards are not all there) is no checkpoint: offline it is
+    one clear error naming what is missing, while a process that only tokenizes
+    (weights=False) takes it."""
+    import json
+    import shutil
+
+    from kvray.cluster.spec import resolve_model_path
+
+    path, _ = tiny["llama"]
+    partial = hub_cache / "partial"
+    shutil.copytree(path, partial, ignore=shutil.ignore_patterns("*.safetensors"))
+    cache_model(hub_cache, "tiny-org/no-weights", partial)
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        resolve_model_path("tiny-org/no-weights")
+    assert (resolve_model_path("tiny-org/no-weights", weights=False) / "config.json").is_file()
+
+    (partial / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
+    )
+    cache_model(hub_cache, "tiny-org/sharded", partial)
+    with pytest.raises(FileNotFoundError, match="no model-00001-of-00002.safetensors"):
+        resolve_model_path("tiny-org/sharded")
+
+
 def test_chat_template_and_allowed_origins_as_vllm_takes_them(tmp_path) -> None:
     """--chat-template is a file or the Jinja text (a file is read where the app starts:
     replicas get its text); --allowed-origins repeats, or takes vLLM's JSON list."""

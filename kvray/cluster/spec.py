@@ -18,11 +18,12 @@ from kvray.workers.worker import WorkerSpec
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def resolve_model_path(model: str | None, progress: bool = True) -> Path:
+def resolve_model_path(model: str | None, progress: bool = True, weights: bool = True) -> Path:
     """A checkpoint directory: `model` itself, or a Hugging Face model id (`org/name`, as
-    vLLM takes) from the Hub's local cache, else downloaded into it (only the files kvray
-    reads; HF_HUB_OFFLINE=1 forbids the download). None means the embedded SmolLM2
-    (converted once, cached)."""
+    vLLM takes) through the Hub's local cache, downloading what is missing or stale (only
+    the files kvray reads; with HF_HUB_OFFLINE=1 the cache alone, as in vLLM). `weights`
+    False: a Hub model's config and tokenizer files only (for a process that only
+    tokenizes). None means the embedded SmolLM2 (converted once, cached)."""
     if model is None:
         from kvray.models.embedded import ensure_embedded_model
 
@@ -31,7 +32,7 @@ def resolve_model_path(model: str | None, progress: bool = True) -> Path:
     if (path / "config.json").is_file():
         return path
     if is_hub_id(model):
-        return _from_hub(model)
+        return _from_hub(model, weights)
     raise FileNotFoundError(
         f"{model!r} is not a Hugging Face checkpoint directory (no config.json), nor a "
         "Hugging Face model id (org/name)"
@@ -39,8 +40,12 @@ def resolve_model_path(model: str | None, progress: bool = True) -> Path:
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-# What kvray reads from a checkpoint: config, weights, tokenizer and chat template files.
-_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+# What kvray reads from a checkpoint besides its weights: config, tokenizer and chat
+# template files, at the repository's top level (fnmatch's `*` also crosses `/`, so the
+# patterns exclude subfolders explicitly).
+_HUB_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+_HUB_IGNORE = ["*/*"]
+_INDEX = "model.safetensors.index.json"
 
 
 def is_hub_id(model: str) -> bool:
@@ -48,25 +53,65 @@ def is_hub_id(model: str) -> bool:
     return _HUB_ID.fullmatch(model) is not None and not Path(model).expanduser().exists()
 
 
-def _from_hub(model: str) -> Path:
+def _index_shards(path: Path) -> list[str]:
+    """The weight files model.safetensors.index.json names."""
+    return sorted(set(json.loads((path / _INDEX).read_text()).get("weight_map", {}).values()))
+
+
+def _missing_weights(path: Path) -> list[str]:
+    """The safetensors files the checkpoint at `path` names and lacks: the index's shards,
+    or, without an index, a "*.safetensors" when there is none."""
+    if (path / _INDEX).is_file():
+        return [f for f in _index_shards(path) if not (path / f).is_file()]
+    return [] if any(path.glob("*.safetensors")) else ["*.safetensors"]
+
+
+def _from_hub(model: str, weights: bool) -> Path:
+    import os
+
     from huggingface_hub import snapshot_download
 
-    try:  # the cached snapshot, without asking the Hub
-        cached = Path(snapshot_download(model, allow_patterns=_HUB_FILES, local_files_only=True))
-        if (cached / "config.json").is_file():
-            return cached
-    except Exception:  # noqa: BLE001 - not in the cache: fetch it
-        pass
+    # Online, the Hub is asked for the current revision and only what the cache lacks is
+    # fetched; offline (HF_HUB_OFFLINE, or the Hub unreachable) the cached snapshot is
+    # used if it holds everything. A snapshot left by AutoConfig/AutoTokenizer holds only
+    # some files, so what it holds is checked, not assumed.
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+    def fetch(patterns: list[str]) -> Path:
+        return Path(
+            snapshot_download(
+                model,
+                allow_patterns=patterns,
+                ignore_patterns=_HUB_IGNORE,
+                local_files_only=offline,
+            )
+        )
+
     try:
-        path = Path(snapshot_download(model, allow_patterns=_HUB_FILES))
+        path = fetch(_HUB_FILES)
+        if weights and (path / "config.json").is_file():
+            if (path / _INDEX).is_file():  # the shards it names, not a consolidated copy
+                path = fetch(sorted({*_HUB_FILES, *_index_shards(path)}))
+            else:
+                path = fetch([*_HUB_FILES, "*.safetensors"])
     except Exception as e:  # noqa: BLE001 - offline, unknown, gated: say which, in one line
+        where = (
+            "is not in the local cache (HF_HUB_OFFLINE)"
+            if offline
+            else ("is not in the local cache and could not be downloaded")
+        )
         raise FileNotFoundError(
             f"{model!r} is not a local checkpoint directory, and the Hugging Face model of "
-            f"that id is not in the local cache and could not be downloaded "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            f"that id {where} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the Hugging Face model {model!r} has no config.json")
+    if weights and (missing := _missing_weights(path)):
+        raise FileNotFoundError(
+            f"the Hugging Face model {model!r} has no {', '.join(missing[:3])} in {path}"
+            + (" (HF_HUB_OFFLINE: the cache alone was read)" if offline else "")
+            + " (kvray reads safetensors weights only)"
+        )
     return path
 
 

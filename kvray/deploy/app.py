@@ -415,7 +415,7 @@ class Ingress:
         s = ServeConfig(**settings)
         self.settings = s
         self.engine = engine
-        self.tokenizer = load_tokenizer(resolve_model_path(s.model, progress=False))
+        self.tokenizer = load_tokenizer(resolve_model_path(s.model, progress=False, weights=False))
         if s.chat_template is not None:  # (resolved settings: the template's text)
             self.tokenizer.chat_template = s.chat_template
         self.registry = CollectorRegistry()

@@ -87,9 +87,7 @@ class IncrementalDetokenizer:
                 # one that earlier text completed (under min_tokens) is never found later.
                 end = len(self.text) - len(delta) + 1
                 hits = [
-                    (i, s)
-                    for s in self.stop
-                    if (i := self.text.find(s, max(0, end - len(s)))) >= 0
+                    (i, s) for s in self.stop if (i := self.text.find(s, max(0, end - len(s)))) >= 0
                 ]
                 if hits:
                     at, stop = min(hits, key=lambda hit: hit[0])
