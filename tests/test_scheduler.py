@@ -431,3 +431,24 @@ def test_a_step_that_computes_prompt_tokens_checks_no_drafts():
     outs = run_to_end(sched, ex)  # decodes only from here on: they draft again
     assert sched.stats.draft_tokens > drafted
     assert len(outs[1]) == 59  # its first token came from the prompt's step
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "budget", "chunks"),
+    [(256, 192, [128, 128]), (100, 40, [36, 32, 32]), (65, 64, [36, 29]), (64, 64, [64])],
+)
+def test_a_prompt_longer_than_the_budget_goes_in_even_chunks(prompt_len, budget, chunks):
+    """The fewest steps the budget allows, each as long as the others up to a page (4
+    tokens here): the longest step, which every running stream waits out, is as short as
+    that many steps can make it; the tokens are the reference's."""
+    sched, ex = make(ps=4, num_pages=128, budget=budget)
+    prompt = [random.Random(prompt_len).randrange(1, VOCAB) for _ in range(prompt_len)]
+    sched.add_request(0, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    fills, outs = [], []
+    while sched.has_work:
+        plan = sched.step()
+        fills.append(int(plan.fill_lens.sum()))
+        outs += [ev.token_id for ev in sched.process_result(ex.execute(plan))]
+        sched.check_integrity()
+    assert fills[: len(chunks)] == chunks
+    assert outs == reference_tokens(prompt, 3, VOCAB, frozenset())

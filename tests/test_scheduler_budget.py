@@ -274,11 +274,13 @@ def test_prefill_budget_shrinks_while_decodes_run():
     target = 150.0
     shapes, sched = run_long_prompt_beside_decodes(target)
     # The long prompt's chunks beside 8 decodes: (150 - 12 - 8 * 1.5) / 0.8 = 157 tokens,
-    # whole pages of 16: 144 once the model has learned the costs.
+    # whole pages of 16: 144 once the model has learned the costs. The prompt takes as
+    # few steps as 144-token chunks would (9), evenly sized: no short last chunk.
     mixed = [(d, p) for d, p in shapes[20:] if d and p]
     assert mixed and sum(p for _, p in mixed) == 1200
     assert all(p <= 160 for _, p in mixed), mixed
-    assert mixed[-2][1] == 144, mixed
+    assert max(p for _, p in mixed[1:]) == 144 and len(mixed) == -(-1200 // 144), mixed
+    assert max(p for _, p in mixed) - min(p for _, p in mixed) <= 16, mixed
     assert all(true_ms(d, p) <= 1.1 * target for d, p in mixed[1:]), mixed
     assert sched.budget.cost.samples == len(shapes)
     assert sched.budget.tokens(0) == 512  # nothing decoding: the full chunk
@@ -286,7 +288,7 @@ def test_prefill_budget_shrinks_while_decodes_run():
     assert shapes[0] == (0, 160)
 
 
-def test_without_a_target_the_long_prompt_takes_full_chunks():
+def test_without_a_target_the_long_prompt_takes_as_few_steps_as_full_chunks():
     shapes, _ = run_long_prompt_beside_decodes(None)
     mixed = [p for d, p in shapes[20:] if d and p]
-    assert mixed[:2] == [512, 512]
+    assert mixed == [400, 400, 400]  # 1,200 tokens under max_prefill_tokens 512: 3 steps

@@ -35,9 +35,17 @@ class PrefillAdder:
         return self.cache.available_pages - self.committed_pages
 
     def chunk_for(self, req: Req) -> int:
-        """Tokens of `req` to prefill this step (0 if none fit)."""
+        """Tokens of `req` to prefill this step (0 if none fit). A prompt longer than the
+        budget goes in the fewest chunks the budget allows, evenly sized (in whole pages):
+        the same steps as taking the whole budget each time, but its longest step, which
+        every running stream waits out, is as short as that many steps can make it (256
+        tokens under a budget of 192: 128 + 128, not 192 + 64)."""
         ps = self.cache.page_size
-        chunk = min(len(req.input_ids) - req.cached_len, self.token_budget)
+        remaining = len(req.input_ids) - req.cached_len
+        chunk = min(remaining, self.token_budget)
+        if 0 < chunk < remaining:
+            steps = div_ceil(remaining, chunk)
+            chunk = min(div_ceil(div_ceil(remaining, steps), ps) * ps, chunk)
         # The page holding position cached_len may already be partly ours.
         have = div_ceil(req.cached_len, ps) * ps - req.cached_len
         spare_pages = max(self.pages_left - self.reserved_pages, 0)
