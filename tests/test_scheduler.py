@@ -437,18 +437,37 @@ def test_a_step_that_computes_prompt_tokens_checks_no_drafts():
     ("prompt_len", "budget", "chunks"),
     [(256, 192, [128, 128]), (100, 40, [36, 32, 32]), (65, 64, [36, 29]), (64, 64, [64])],
 )
-def test_a_prompt_longer_than_the_budget_goes_in_even_chunks(prompt_len, budget, chunks):
-    """The fewest steps the budget allows, each as long as the others up to a page (4
-    tokens here): the longest step, which every running stream waits out, is as short as
-    that many steps can make it; the tokens are the reference's."""
+def test_a_prompt_longer_than_the_budget_goes_in_even_chunks_beside_decodes(
+    prompt_len, budget, chunks
+):
+    """Beside decodes (which wait for the whole step), a prompt takes the fewest steps the
+    budget allows, each as long as the others up to a page (4 tokens here), so the longest
+    step is as short as that many steps can make it; without decodes (no one waits, and a
+    later step's budget may be smaller) it takes the whole budget. Tokens are the
+    reference's."""
     sched, ex = make(ps=4, num_pages=128, budget=budget)
-    prompt = [random.Random(prompt_len).randrange(1, VOCAB) for _ in range(prompt_len)]
-    sched.add_request(0, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
-    fills, outs = [], []
-    while sched.has_work:
+    rng = random.Random(prompt_len)
+    short = [rng.randrange(1, VOCAB) for _ in range(4)]
+    prompt = [rng.randrange(1, VOCAB) for _ in range(prompt_len)]
+    sched.add_request(0, short, SamplingParams(max_tokens=40, ignore_eos=True))
+    outs: dict[int, list[int]] = {}
+
+    def step() -> int:
         plan = sched.step()
-        fills.append(int(plan.fill_lens.sum()))
-        outs += [ev.token_id for ev in sched.process_result(ex.execute(plan))]
+        for ev in sched.process_result(ex.execute(plan)):
+            outs.setdefault(ev.rid, []).append(ev.token_id)
         sched.check_integrity()
-    assert fills[: len(chunks)] == chunks
-    assert outs == reference_tokens(prompt, 3, VOCAB, frozenset())
+        return int(plan.fill_lens.sum())  # prompt tokens (a decode row fills 0)
+
+    step()  # the short prompt: request 0 decodes from now on
+    sched.add_request(1, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    fills = [step() for _ in chunks]
+    assert fills == chunks
+    while sched.has_work:
+        step()
+    assert outs[0] == reference_tokens(short, 40, VOCAB, frozenset())
+    assert outs[1] == reference_tokens(prompt, 3, VOCAB, frozenset())
+
+    alone, _ = make(ps=4, num_pages=128, budget=budget)
+    alone.add_request(1, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert int(alone.step().fill_lens.sum()) == min(budget, prompt_len)

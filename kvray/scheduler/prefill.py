@@ -21,7 +21,10 @@ class PrefillAdder:
     makes it unevictable) is seen at once. `reserved_pages` is headroom kept for the
     running requests' next decode pages, so admitting a prompt does not immediately force
     a retraction. A request's whole max_tokens is never reserved: decode grows page by
-    page and retracts when the pool runs dry.
+    page and retracts when the pool runs dry. `even_chunks` is set for a step with decodes:
+    they wait for the whole step, and beside them the budget is about the same from step
+    to step; a step without decodes delays no one and takes all it may (a later step's
+    budget may be smaller, once decodes run).
     """
 
     cache: CacheManager
@@ -29,21 +32,23 @@ class PrefillAdder:
     token_budget: int
     committed_pages: int = 0
     reserved_pages: int = 0
+    even_chunks: bool = False
 
     @property
     def pages_left(self) -> int:
         return self.cache.available_pages - self.committed_pages
 
     def chunk_for(self, req: Req) -> int:
-        """Tokens of `req` to prefill this step (0 if none fit). A prompt longer than the
-        budget goes in the fewest chunks the budget allows, evenly sized (in whole pages):
-        the same steps as taking the whole budget each time, but its longest step, which
-        every running stream waits out, is as short as that many steps can make it (256
-        tokens under a budget of 192: 128 + 128, not 192 + 64)."""
+        """Tokens of `req` to prefill this step (0 if none fit). With `even_chunks`, a
+        prompt longer than the budget goes in the fewest chunks the budget allows, evenly
+        sized (in whole pages): as many steps as taking the whole budget each time while
+        the budget holds, but the longest of them, which every running stream waits out,
+        is as short as that many steps can make it (256 tokens under a budget of 192: 128
+        + 128, not 192 + 64)."""
         ps = self.cache.page_size
         remaining = len(req.input_ids) - req.cached_len
         chunk = min(remaining, self.token_budget)
-        if 0 < chunk < remaining:
+        if self.even_chunks and 0 < chunk < remaining:
             steps = div_ceil(remaining, chunk)
             chunk = min(div_ceil(div_ceil(remaining, steps), ps) * ps, chunk)
         # The page holding position cached_len may already be partly ours.

@@ -226,7 +226,10 @@ class Scheduler:
     def step(self) -> StepPlan | None:
         """Plan the next forward step, or None when there is nothing to compute."""
         ps = self.page_size
-        adder = PrefillAdder(self.cache, self.table, self.budget.tokens(self.num_decoding))
+        decoding = self.num_decoding
+        adder = PrefillAdder(
+            self.cache, self.table, self.budget.tokens(decoding), even_chunks=decoding > 0
+        )
         batch: list[tuple[Req, int, bool]] = []  # (request, tokens, is_prefill)
         drafts: dict[int, list[int]] = {}  # drafting request -> its draft tokens
         speculative = self.config.speculative_tokens > 0
