@@ -470,7 +470,8 @@ def test_chat_keeps_typed_special_tokens_as_text(smol) -> None:
 
 
 def test_chat_takes_text_parts_and_the_templates_options(smol) -> None:
-    """As vLLM's LLM.chat: content as OpenAI's text parts reads as their joined text (other
+    """As vLLM's LLM.chat: content as OpenAI's text parts reads as their text joined by
+    newlines (other
     parts are refused, naming the message); add_generation_prompt, continue_final_message
     and chat_template_kwargs reach the template."""
     tok = smol.tokenizer
@@ -478,11 +479,12 @@ def test_chat_takes_text_parts_and_the_templates_options(smol) -> None:
     parts = [
         {
             "role": "user",
-            "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}],
+            "content": [{"type": "text", "text": "Name a"}, {"type": "text", "text": "colour."}],
         }
     ]
     (by_parts,) = smol.chat(parts, greedy(1), use_tqdm=False)
-    assert by_parts.prompt_token_ids == chat_ids(tok, plain)
+    joined = [{"role": "user", "content": "Name a\ncolour."}]
+    assert by_parts.prompt_token_ids == chat_ids(tok, joined)
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(ValueError, match=r"messages\[0\].content: kvray takes text parts only"):
         smol.chat(image, greedy(1))
@@ -496,7 +498,7 @@ def test_chat_takes_text_parts_and_the_templates_options(smol) -> None:
     own = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     (custom,) = smol.chat(plain, greedy(1), chat_template=own)
     assert custom.prompt_token_ids == smol.encode("<user>Name a colour.\n")
-    (bare,) = smol.chat(plain, greedy(1), add_generation_prompt=False)
+    (bare,) = smol.chat(joined, greedy(1), add_generation_prompt=False)
     assert by_parts.prompt_token_ids[: len(bare.prompt_token_ids)] == bare.prompt_token_ids
     assert len(bare.prompt_token_ids) < len(by_parts.prompt_token_ids)
 

@@ -44,6 +44,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
 from kvray.core import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from kvray.text.prompt import join_text_parts
 
 MAX_N = 16
 MAX_STOP = 16
@@ -634,7 +635,7 @@ class ChatMessage(_Request):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return join_text_parts(part.text for part in self.content)
 
 
 def _continue_or_prompt(cls: Any, v: bool | None, info: ValidationInfo) -> bool | None:
@@ -707,11 +708,9 @@ class ChatCompletionRequest(_SamplingFields):
         """What echo puts before each reply: the last message's content if it is the
         assistant's (the role of the reply), as vLLM does; text parts joined by newlines."""
         last = self.messages[-1]
-        if not self.echo or last.role != "assistant" or last.content is None:
+        if not self.echo or last.role != "assistant":
             return ""
-        if isinstance(last.content, str):
-            return last.content
-        return "\n".join(part.text for part in last.content)
+        return last.text()
 
     @field_validator("tool_choice")
     @classmethod

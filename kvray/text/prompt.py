@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -67,6 +67,12 @@ def load_chat_template(value: str) -> str:
     )
 
 
+def join_text_parts(texts: Iterable[str]) -> str:
+    """One message's text parts as the one string the template renders: joined by
+    newlines, as vLLM joins them."""
+    return "\n".join(texts)
+
+
 def text_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages whose content is OpenAI's list of text parts (`[{"type": "text", "text":
     ...}]`) with that content joined into one string, as the server reads them; ValueError
@@ -79,7 +85,7 @@ def text_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
             if kinds - {"text"}:
                 got = ", ".join(sorted(kinds - {"text"}))
                 raise ValueError(f"messages[{i}].content: kvray takes text parts only, got {got}")
-            m = {**m, "content": "".join(str(p["text"]) for p in content)}
+            m = {**m, "content": join_text_parts(str(p["text"]) for p in content)}
         out.append(dict(m))
     return out
 
