@@ -350,10 +350,9 @@ def _settle(base_url: str, idle_usage: float, report: SoakReport, timeout_s: flo
 def _check_engine(num_pages: int, report: SoakReport) -> None:
     import ray
 
-    from kvray.deploy.app import SCHEDULER_PREFIX
+    from kvray.deploy.app import is_app_scheduler
 
-    prefix = f"{SCHEDULER_PREFIX}{APP_NAME}-"
-    names = [a for a in ray.util.list_named_actors(True) if a["name"].startswith(prefix)]
+    names = [a for a in ray.util.list_named_actors(True) if is_app_scheduler(a["name"], APP_NAME)]
     actor = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
     try:
         ray.get(actor.check_integrity.remote())

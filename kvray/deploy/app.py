@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import math
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -365,12 +366,20 @@ class ServeEngineClient:
         raise AssertionError("unreachable: the last try returns or raises")
 
 
+def is_app_scheduler(name: str, app_name: str) -> bool:
+    """Whether the actor `name` is the scheduler of one of `app_name`'s engines
+    (`router.scheduler_name`: the prefix, the app, then a replica id, which has no "-": so
+    app "kvray" does not claim app "kvray-b"'s engines)."""
+    prefix = f"{SCHEDULER_PREFIX}{app_name}-"
+    tag = name[len(prefix) :]
+    return name.startswith(prefix) and bool(tag) and "-" not in tag
+
+
 def _schedulers(app_name: str) -> list[ActorHandle]:
     """The scheduler actor of every engine of the app, found by their names."""
-    prefix = f"{SCHEDULER_PREFIX}{app_name}-"
     out = []
     for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["name"].startswith(prefix):
+        if is_app_scheduler(a["name"], app_name):
             try:
                 out.append(ray.get_actor(a["name"], namespace=a["namespace"]))
             except ValueError:
@@ -391,15 +400,19 @@ def engine_stats(app_name: str) -> list[dict[str, Any]]:
 
 
 def engines_progressing(stats: list[dict[str, Any]], window_s: float) -> bool:
-    """/health's proof without a probe: every engine (at least one) has work and its step
-    loop progressed within the last `window_s` seconds (SchedulerActor.stats:
-    `has_work`, `progress_age_s`). A busy engine would queue a probe behind its work, and
-    its progress already shows it generates; an idle engine (a probe costs it nothing), a
-    stuck one (work, but no step for `window_s`) or one that did not answer proves nothing,
-    and the probe decides."""
-    return bool(stats) and all(
-        s.get("has_work") is True and float(s.get("progress_age_s", window_s + 1)) <= window_s
-        for s in stats
+    """/health's proof without a probe: some engine has work and its step loop progressed
+    within the last `window_s` seconds, and every other one is idle (SchedulerActor.stats:
+    `has_work`, `progress_age_s`; all engines answered). A busy engine would queue a probe
+    behind its work, and its progress already shows the app generates: one loaded replica
+    beside idle ones (prefix routing sends a shared system prompt's traffic to one) must
+    not fail the check. A stuck engine (work, but no step for `window_s`), stats that say
+    neither, or no engine at all prove nothing, and the probe decides."""
+
+    def progressing(s: dict[str, Any]) -> bool:
+        return s.get("has_work") is True and float(s.get("progress_age_s", math.inf)) <= window_s
+
+    return any(progressing(s) for s in stats) and all(
+        progressing(s) or s.get("has_work") is False for s in stats
     )
 
 
@@ -429,10 +442,11 @@ class Ingress:
         self.state = ServerState()
 
     async def _healthy(self) -> bool:
-        """Healthy when every engine is busy and its step loop progressed within the
-        health timeout (read from the engines' stats: nothing is queued behind their
-        work); otherwise a real step: one one-token request through an engine, within the
-        timeout. (An engine that still answers calls but cannot generate is not healthy.)"""
+        """Healthy when an engine is busy and its step loop progressed within the health
+        timeout, and none is stuck (read from the engines' stats: nothing is queued behind
+        their work; `engines_progressing`); otherwise a real step: one one-token request
+        through an engine, within the timeout. (An engine that still answers calls but
+        cannot generate is not healthy.)"""
         from kvray.deploy.generation import generates
 
         timeout = self.settings.health_timeout_s
@@ -454,7 +468,7 @@ class Ingress:
             return False
 
     async def _engines_progressing(self) -> bool:
-        """Every engine's stats (all must answer) show it busy and progressing."""
+        """The engines' stats (all must answer) show the app progressing."""
         actors = await asyncio.to_thread(_schedulers, self.settings.app_name)
         stats = await asyncio.gather(*(a.stats.remote() for a in actors))
         return engines_progressing(list(stats), self.settings.health_timeout_s)

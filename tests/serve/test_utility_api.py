@@ -128,14 +128,29 @@ def test_the_health_rule_over_engine_stats() -> None:
     from kvray.deploy.app import engines_progressing  # (Serve warns as it loads)
 
     busy = {"has_work": True, "progress_age_s": 0.5}
+    idle = {"has_work": False, "progress_age_s": 60.0}
     assert engines_progressing([busy], 10.0)
     assert engines_progressing([busy, {**busy, "progress_age_s": 9.9}], 10.0)
-    # idle (the probe is cheap there), stuck, unknown, or no engine at all: the probe decides
-    assert not engines_progressing([{**busy, "has_work": False}], 10.0)
+    # one loaded replica beside idle ones: the app progresses (a probe could queue behind it)
+    assert engines_progressing([idle, busy, idle], 10.0)
+    # all idle (the probe is cheap there), one stuck, unknown, or no engine: the probe decides
+    assert not engines_progressing([idle], 10.0)
+    assert not engines_progressing([idle, idle], 10.0)
     assert not engines_progressing([{**busy, "progress_age_s": 10.5}], 10.0)
     assert not engines_progressing([busy, {**busy, "progress_age_s": 30.0}], 10.0)
+    assert not engines_progressing([busy, {"num_running": 3}], 10.0)
     assert not engines_progressing([{"num_running": 3}], 10.0)
     assert not engines_progressing([], 10.0)
+
+
+def test_an_app_finds_its_own_engines_only() -> None:
+    from kvray.deploy.app import is_app_scheduler
+    from kvray.deploy.router import scheduler_name
+
+    assert is_app_scheduler(scheduler_name("kvray", "a1b2c3d4"), "kvray")
+    assert not is_app_scheduler(scheduler_name("kvray-b", "a1b2c3d4"), "kvray")
+    assert is_app_scheduler(scheduler_name("kvray-b", "a1b2c3d4"), "kvray-b")
+    assert not is_app_scheduler(scheduler_name("kvray", ""), "kvray")
 
 
 class _Core:
