@@ -486,6 +486,23 @@ def test_a_mistral_checkpoint_runs_as_transformers_reads_it(checkpoints, tmp_pat
     assert model.config.max_position_embeddings == COMMON["max_position_embeddings"]
     windowed = _copy_checkpoint(path, tmp_path / "windowed", as_mistral(64))
     assert ModelConfig.from_pretrained(windowed).max_position_embeddings == 64
+    hf_windowed = tf.AutoModelForCausalLM.from_pretrained(windowed, dtype=torch.float32).eval()
+    assert hf_windowed.config.sliding_window == 64
+    (logits,) = Runner(load_model(windowed, TPGroup(), torch.float32, "cpu"), 4).step(
+        [(0, 0, ids)]
+    )
+    torch.testing.assert_close(logits, _hf_logits(hf_windowed, ids), atol=1e-4, rtol=1e-4)
+    # a context asked for past the window is refused, not silently cut to it
+    from kvray.cluster.spec import EngineSpec
+    from kvray.config import EngineConfig
+
+    def spec(max_seq_len: int) -> EngineSpec:
+        config = EngineConfig(model=str(windowed), max_seq_len=max_seq_len, dtype="float32")
+        return EngineSpec.resolve(config, progress=False)
+
+    assert spec(64).max_seq_len == 64
+    with pytest.raises(ValueError, match="max_seq_len 128 is longer than the model's context, 64"):
+        spec(128)
     wide = _copy_checkpoint(path, tmp_path / "wide", as_mistral(4096))
     assert ModelConfig.from_pretrained(wide).max_position_embeddings == 256
 

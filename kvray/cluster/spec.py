@@ -188,6 +188,19 @@ def check_tp_split(mc: ModelConfig, tp_size: int) -> None:
             raise ValueError(f"tp_size {tp_size} cannot split the model's {what}: {e}") from None
 
 
+def check_max_seq_len(mc: ModelConfig, max_seq_len: int | None) -> None:
+    """Refuse a `max_seq_len` longer than the model's context (config.json's
+    max_position_embeddings, or a shorter Mistral sliding_window, the context kvray serves
+    such a model at), as vLLM refuses a max_model_len past the model's: silently serving
+    less than was asked for would truncate every client's budget."""
+    if max_seq_len is not None and max_seq_len > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} is longer than the model's context, "
+            f"{mc.max_position_embeddings} tokens (config.json's max_position_embeddings, "
+            "or its sliding_window where that is shorter)"
+        )
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     config: EngineConfig
@@ -210,6 +223,7 @@ class EngineSpec:
         path = resolve_model_path(config.model, progress)
         mc = ModelConfig.from_pretrained(path)
         check_tp_split(mc, config.tp_size)
+        check_max_seq_len(mc, config.max_seq_len)
         dtype = resolve_dtype(config.dtype, mc.dtype)
         num_pages = config.num_pages
         if num_pages is None:
@@ -218,7 +232,7 @@ class EngineSpec:
             page_bytes = 2 * mc.num_layers * config.page_size * local_kv * mc.head_dim * itemsize
             num_pages = max(int(config.kv_cache_memory_gb * 2**30) // page_bytes, 1)
         max_seq_len = config.max_seq_len or mc.max_position_embeddings
-        max_seq_len = min(max_seq_len, mc.max_position_embeddings, num_pages * config.page_size)
+        max_seq_len = min(max_seq_len, num_pages * config.page_size)
         eos = _eos_ids(path, mc)
         defaults = tuple(sampling_defaults(path).items())
         return cls(config, path, mc, dtype, num_pages, max_seq_len, eos, defaults)

@@ -116,7 +116,7 @@ def _start_and_serve(
     stop: threading.Event,
     serving: threading.Event,
 ) -> int:
-    from kvray.cluster.spec import check_tp_split, resolve_model_path
+    from kvray.cluster.spec import check_max_seq_len, check_tp_split, resolve_model_path
     from kvray.deploy.app import direct_ingress_env, own_cluster_env
     from kvray.models import ModelConfig
     from kvray.net import wait_for_port
@@ -126,7 +126,9 @@ def _start_and_serve(
     # checkpoint kvray cannot run, or cannot split over --tp-size, is an error now, not in
     # the engine replicas' logs once Ray and Serve are up.
     path = resolve_model_path(config.model, progress=True)
-    check_tp_split(ModelConfig.from_pretrained(path), config.tp_size)
+    model_config = ModelConfig.from_pretrained(path)
+    check_tp_split(model_config, config.tp_size)
+    check_max_seq_len(model_config, config.max_seq_len)
 
     # Serve's HTTP server binds without SO_REUSEADDR, so a restart within a minute of the
     # last server's connections would fail (and its direct ingress would then give up on
