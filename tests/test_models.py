@@ -488,9 +488,7 @@ def test_a_mistral_checkpoint_runs_as_transformers_reads_it(checkpoints, tmp_pat
     assert ModelConfig.from_pretrained(windowed).max_position_embeddings == 64
     hf_windowed = tf.AutoModelForCausalLM.from_pretrained(windowed, dtype=torch.float32).eval()
     assert hf_windowed.config.sliding_window == 64
-    (logits,) = Runner(load_model(windowed, TPGroup(), torch.float32, "cpu"), 4).step(
-        [(0, 0, ids)]
-    )
+    (logits,) = Runner(load_model(windowed, TPGroup(), torch.float32, "cpu"), 4).step([(0, 0, ids)])
     torch.testing.assert_close(logits, _hf_logits(hf_windowed, ids), atol=1e-4, rtol=1e-4)
     # a context asked for past the window is refused, not silently cut to it
     from kvray.cluster.spec import EngineSpec
