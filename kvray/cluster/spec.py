@@ -67,15 +67,14 @@ def _missing_weights(path: Path) -> list[str]:
 
 
 def _from_hub(model: str, weights: bool) -> Path:
-    import os
-
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     # Online, the Hub is asked for the current revision and only what the cache lacks is
-    # fetched; offline (HF_HUB_OFFLINE, or the Hub unreachable) the cached snapshot is
-    # used if it holds everything. A snapshot left by AutoConfig/AutoTokenizer holds only
-    # some files, so what it holds is checked, not assumed.
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    # fetched; offline (HF_HUB_OFFLINE, as the Hub library reads it, or the Hub
+    # unreachable) the cached snapshot is used if it holds everything. A snapshot left by
+    # AutoConfig/AutoTokenizer holds only some files, so what it holds is checked, not
+    # assumed.
+    offline = bool(constants.HF_HUB_OFFLINE)
 
     def fetch(patterns: list[str]) -> Path:
         return Path(
@@ -90,19 +89,15 @@ def _from_hub(model: str, weights: bool) -> Path:
     try:
         path = fetch(_HUB_FILES)
         if weights and (path / "config.json").is_file():
-            if (path / _INDEX).is_file():  # the shards it names, not a consolidated copy
-                path = fetch(sorted({*_HUB_FILES, *_index_shards(path)}))
-            else:
-                path = fetch([*_HUB_FILES, "*.safetensors"])
+            # The shards the index names (not a consolidated copy beside them), else all.
+            index = (path / _INDEX).is_file()
+            path = fetch(_index_shards(path) if index else ["*.safetensors"])
     except Exception as e:  # noqa: BLE001 - offline, unknown, gated: say which, in one line
-        where = (
-            "is not in the local cache (HF_HUB_OFFLINE)"
-            if offline
-            else ("is not in the local cache and could not be downloaded")
-        )
+        why = "(HF_HUB_OFFLINE)" if offline else "and could not be downloaded"
         raise FileNotFoundError(
             f"{model!r} is not a local checkpoint directory, and the Hugging Face model of "
-            f"that id {where} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            f"that id is not in the local cache {why} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the Hugging Face model {model!r} has no config.json")
