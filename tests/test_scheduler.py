@@ -467,6 +467,8 @@ def test_a_prompt_longer_than_the_budget_goes_in_even_chunks_beside_decodes(
         step()
     assert outs[0] == reference_tokens(short, 40, VOCAB, frozenset())
     assert outs[1] == reference_tokens(prompt, 3, VOCAB, frozenset())
+    sched.flush_cache()
+    assert sched.is_idle_and_empty()
 
     alone, _ = make(ps=4, num_pages=128, budget=budget)
     alone.add_request(1, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
