@@ -16,6 +16,7 @@ Page accounting balances on every live engine after each test.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +36,7 @@ MARGIN = 1
 TURN_TOKENS = 8  # generated per turn
 CONVERSATIONS = 3  # odd: round-robin would move every conversation at its next turn
 TURNS = 3
+STREAM_TOKENS = 440  # (of the 512 the engine holds) still running when all four have started
 
 pytestmark = [
     pytest.mark.timeout(400),
@@ -288,11 +290,36 @@ def test_requests_of_several_engine_calls_are_all_routed(
     assert_clean()
 
 
+def test_a_burst_of_new_prompts_spreads_over_both_replicas(server: str, http: httpx.Client) -> None:
+    """Prompts that no engine holds, sent at once, go to the least loaded replica each:
+    a choice counts as load on its replica from the moment it is made, so a burst routed
+    before Serve has sent any of it does not all land on one replica."""
+    import concurrent.futures as cf
+
+    prompts = [opening(80 + i)[:32] for i in range(8)]
+    before = stats()
+
+    def post(prompt: list[int]) -> None:
+        with httpx.Client(base_url=server, timeout=60) as c:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 64, "temperature": 0}
+            r = c.post("/v1/completions", json={**body, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(post, prompts))
+    after = stats()
+    served = {
+        n: (after[n]["prefix_query_tokens"] - before[n]["prefix_query_tokens"]) // 32 for n in after
+    }
+    assert sum(served.values()) == len(prompts), served
+    assert min(served.values()) >= 2, f"the burst did not spread: {served}"
+
+
 def _stream(base: str, prompt: list[int], out: dict[str, Any]) -> None:
     """One streamed completion read to its end: out["text"], out["done"], out["errors"]."""
     import json
 
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0}
     body.update(stream=True, ignore_eos=True)
     out.update(text="", done=False, errors=[])
     with httpx.Client(base_url=base, timeout=300) as c:
@@ -309,22 +336,75 @@ def _stream(base: str, prompt: list[int], out: dict[str, Any]) -> None:
                         out["text"] += "".join(ch["text"] for ch in event["choices"])
 
 
+def test_an_export_never_leaves_pages_locked(http: httpx.Client) -> None:
+    prompt = opening(9)
+    before = stats()
+    complete(http, prompt)
+    home = served_by(before, stats())
+    holder = schedulers()[home]
+    # an export hands out one copy per TP rank and unlocks as it returns
+    tokens, refs = ray.get(holder.export_prefix.remote(prompt, 0))
+    assert tokens >= len(prompt) // PAGE * PAGE and len(refs) == 1
+    kv = ray.get(refs[0])
+    assert kv.shape[2] == tokens // PAGE and kv.shape[3] == PAGE  # (2, layers, pages, ...)
+    del kv, refs
+
+    @ray.remote
+    class Fetcher:
+        async def take(self, holder: Any, ids: list[int]) -> Any:
+            return await holder.export_prefix.remote(ids, 0)
+
+    fetcher = Fetcher.remote()  # a fetching side that dies mid-transfer
+    fetcher.take.remote(holder, prompt)
+    ray.kill(fetcher)
+    # a fetch from an engine that is not there: nothing imported, the request computes
+    other = next(a for n, a in schedulers().items() if n != home)
+    assert ray.get(other.fetch_prefix.remote(prompt, SCHEDULER_PREFIX + "gone")) == 0
+    # (the `http` fixture then checks both engines: no page locked, all free after a flush)
+
+
+def _start_streams(
+    server: str, http: httpx.Client, prompts: list[list[int]]
+) -> tuple[list[threading.Thread], list[dict[str, Any]]]:
+    """Streams `prompts`, one at a time: each is admitted by an engine, and the router has
+    heard of that engine's new load, before the next one is sent, so least-loaded routing
+    spreads them over both engines. -> (threads, results)."""
+    threads: list[threading.Thread] = []
+    results: list[dict[str, Any]] = []
+    for prompt in prompts:
+        before = stats()
+        out: dict[str, Any] = {}
+        thread = threading.Thread(target=_stream, args=(server, prompt, out), daemon=True)
+        thread.start()
+        threads.append(thread)
+        results.append(out)
+        deadline = time.monotonic() + 30
+        while True:
+            after = stats()
+            moved = [
+                n
+                for n in after
+                if after[n]["prefix_query_tokens"] != before[n]["prefix_query_tokens"]
+            ]
+            if moved:
+                break
+            assert time.monotonic() < deadline, "a stream was not admitted"
+            time.sleep(0.02)
+        (engine,) = moved
+        wait_for_router_load(http, engine, after[engine]["num_running"])
+    return threads, results
+
+
 def test_killing_a_replica_keeps_the_app_serving(
     server: str, http: httpx.Client, hf: Any, tokenizer_for_tiny: Any
 ) -> None:
-    import threading
-
+    """(Last in this module: it takes one replica away until Serve replaces it.)"""
     engines = schedulers()
     assert len(engines) == 2
     prompts = [opening(30 + i)[:40] for i in range(4)]
-    results: list[dict[str, Any]] = [{} for _ in prompts]
-    threads = [
-        threading.Thread(target=_stream, args=(server, p, r), daemon=True)
-        for p, r in zip(prompts, results, strict=True)
-    ]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)  # all four are running, spread over both engines
+    threads, results = _start_streams(server, http, prompts)
+    running = {n: s["num_running"] for n, s in stats().items()}
+    assert all(running.values()), f"the streams did not spread over both engines: {running}"
     victim = sorted(engines)[0]
     # Kill the whole Serve replica (its engine's actors die with it), requests in flight.
     tag = victim[len(SCHEDULER_PREFIX) :]
@@ -354,30 +434,3 @@ def test_killing_a_replica_keeps_the_app_serving(
         time.sleep(1.0)
     for i in range(4):
         complete(http, opening(50 + i)[:60])
-
-
-def test_an_export_never_leaves_pages_locked(http: httpx.Client) -> None:
-    prompt = opening(9)
-    before = stats()
-    complete(http, prompt)
-    home = served_by(before, stats())
-    holder = schedulers()[home]
-    # an export hands out one copy per TP rank and unlocks as it returns
-    tokens, refs = ray.get(holder.export_prefix.remote(prompt, 0))
-    assert tokens >= len(prompt) // PAGE * PAGE and len(refs) == 1
-    kv = ray.get(refs[0])
-    assert kv.shape[2] == tokens // PAGE and kv.shape[3] == PAGE  # (2, layers, pages, ...)
-    del kv, refs
-
-    @ray.remote
-    class Fetcher:
-        async def take(self, holder: Any, ids: list[int]) -> Any:
-            return await holder.export_prefix.remote(ids, 0)
-
-    fetcher = Fetcher.remote()  # a fetching side that dies mid-transfer
-    fetcher.take.remote(holder, prompt)
-    ray.kill(fetcher)
-    # a fetch from an engine that is not there: nothing imported, the request computes
-    other = next(a for n, a in schedulers().items() if n != home)
-    assert ray.get(other.fetch_prefix.remote(prompt, SCHEDULER_PREFIX + "gone")) == 0
-    # (the `http` fixture then checks both engines: no page locked, all free after a flush)

@@ -9,7 +9,8 @@ one call returns every change since the last, or waits for a step to make some),
 finished turn's prefix is known to the router within about a step. A request's token ids
 (the ingress tokenizes before routing) give its chain keys, and the replica whose digest
 matches the most leading pages wins, unless its load (requests in flight: Serve's count or
-the engine's running + waiting, whichever is higher) exceeds the least loaded replica's by
+the engine's running + waiting, whichever is higher, plus those chosen for it and not yet
+sent, so a burst spreads) exceeds the least loaded replica's by
 more than `load_margin`; then the least loaded one wins (as it does when nothing matches;
 ties: the smaller cache). Between a request's routing and its prefix
 reaching the digest (its prefill done), the router counts the prompt as held by the replica
@@ -55,6 +56,9 @@ POLL_TIMEOUT_S = 10.0  # a poll that takes longer is given up (the engine is hun
 RETRY_S = 1.0  # after a failed poll
 # How long a routed prompt counts as held by its replica before the digest confirms it.
 ROUTED_TTL_S = 10.0
+# How long a choice counts as load on its replica before Serve sends the request there
+# (Serve's own count takes over at the send; a choice never sent stops counting).
+CHOSEN_TTL_S = 2.0
 
 
 def scheduler_name(app_name: str, replica_tag: str) -> str:
@@ -82,6 +86,14 @@ class _EngineView:
     # Prompts routed here and not yet confirmed by the digest (a request's prefix enters
     # the cache when its prefill is done): chain key -> when it stops counting.
     routed: dict[int, float] = field(default_factory=dict)
+    # Requests chosen for this replica and not yet sent there (when each stops counting):
+    # a burst routed before Serve counts any of them would otherwise all see the same loads
+    # and land on one replica.
+    chosen: list[float] = field(default_factory=list)
+
+    def unsent(self, now: float) -> int:
+        self.chosen = [t for t in self.chosen if t >= now]
+        return len(self.chosen)
 
     def matched_pages(self, keys: Sequence[int], now: float) -> int:
         routed = self.routed
@@ -204,10 +216,20 @@ class EngineFollowingRouter(RequestRouter):
     def _load(self, rid: ReplicaID) -> int:
         """Requests in flight at a replica: Serve's count (this router's sends and their
         ends, and the replica's own reports) or its engine's, whichever is higher (the
-        engine's also counts requests from other routers)."""
+        engine's also counts requests from other routers), plus the requests this router
+        chose it for and has not sent yet."""
         view = self._views.get(rid)
         engine = view.load if view is not None else 0
-        return max(self._replica_queue_len_cache.get(rid) or 0, engine)
+        unsent = view.unsent(time.monotonic()) if view is not None else 0
+        return max(self._replica_queue_len_cache.get(rid) or 0, engine) + unsent
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        """A request goes to `replica_id`: Serve counts it from now on, so the oldest of
+        the choices made for that replica stops counting."""
+        view = self._views.get(replica_id)
+        if view is not None and view.chosen:
+            view.chosen.pop(0)
+        super().on_send_request(replica_id)
 
     def _view(self, replica: RunningReplica) -> _EngineView:
         view = self._views.get(replica.replica_id)
@@ -231,8 +253,11 @@ class EngineFollowingRouter(RequestRouter):
         """Bookkeeping of a decision: the prompt counts as held by `chosen` until its
         digest says so; with `share_kv`, the request names the replica to fetch from."""
         view = self._views.get(chosen.replica_id)
-        if view is not None and keys:
-            view.routed.update(dict.fromkeys(keys, time.monotonic() + self._routed_ttl_s))
+        now = time.monotonic()
+        if view is not None:
+            view.chosen.append(now + CHOSEN_TTL_S)
+            if keys:
+                view.routed.update(dict.fromkeys(keys, now + self._routed_ttl_s))
         if request is None:
             return
         request.kwargs.pop("kv_source", None)  # (a request may be routed more than once)
@@ -276,6 +301,7 @@ class PrefixRouter(EngineFollowingRouter):
         least = by_load[0]
         ids = token_ids(pending_request)
         if ids is None:
+            self._routed(pending_request, least, [], {})
             return [[least], by_load[1:]]
         keys, matched = self._matches(ids, candidate_replicas)
         best = max(by_load, key=lambda r: matched[r.replica_id])  # first max: less loaded
