@@ -149,6 +149,18 @@ def test_default_params_are_the_checkpoints_own(tiny, tmp_path) -> None:
         assert len(out.token_ids) == 7
         (out,) = llm.generate(TINY_PROMPTS[0], SamplingParams(max_tokens=3))
         assert len(out.token_ids) == 3
+    # A default max_new_tokens longer than the room a prompt leaves is cut to that room
+    # (the caller asked for no budget); a budget the caller gives is still checked.
+    from kvray.core import RequestRejected
+
+    gen.update(max_new_tokens=1000, eos_token_id=None)  # (no EOS: it runs to its budget)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    with LLM(path, dtype="float32", max_seq_len=64, progress=False) as llm:
+        prompt = list(range(10, 60))
+        (out,) = llm.generate(prompt)
+        assert len(out.token_ids) == 64 - len(prompt) and out.finish_reason == "length"
+        with pytest.raises(RequestRejected, match="max_tokens is 1000"):
+            llm.generate(prompt, llm.get_default_sampling_params())
 
 
 @pytest.mark.parametrize(

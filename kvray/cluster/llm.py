@@ -169,8 +169,8 @@ class LLM:
         batch = [prompts] if _is_one_prompt(prompts) else list(prompts)  # type: ignore[arg-type]
         prompt_ids = [self.encode(p) for p in batch]
         if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
+            params = [self._default_params(len(ids)) for ids in prompt_ids]
+        elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompt_ids)
         else:
             params = list(sampling_params)
@@ -223,6 +223,16 @@ class LLM:
         under the checkpoint's own (generation_config.json's temperature, top_p, top_k,
         min_p, repetition_penalty, max_new_tokens), as vLLM's."""
         return SamplingParams(**dict(self.spec.sampling_defaults))
+
+    def _default_params(self, prompt_len: int) -> SamplingParams:
+        """A call's params when it gives none: the checkpoint's, with its max_new_tokens
+        (a default, not the caller's budget) cut to the room the prompt leaves in the
+        context, as the server's default budget is, instead of refusing the prompt."""
+        sp = self.get_default_sampling_params()
+        room = self.spec.max_seq_len - prompt_len
+        if sp.max_tokens is not None and 0 < room < sp.max_tokens:
+            sp = dataclasses.replace(sp, max_tokens=room, min_tokens=min(sp.min_tokens, room))
+        return sp
 
     def grammar_compiler(self) -> GrammarCompiler:
         """This process's grammar compiler for the model (the in-process worker shares it)."""
