@@ -422,11 +422,22 @@ def test_config_variants_load_as_transformers_reads_them(checkpoints, tmp_path: 
     scaled = _copy_checkpoint(
         checkpoints["llama3_rope"][0],
         tmp_path / "rope",
-        lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+        lambda c: c.update(
+            max_position_embeddings=64, rope_scaling={"rope_type": "linear", "factor": 4.0}
+        ),
     )
     cfg = ModelConfig.from_pretrained(scaled)
     assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "linear"
     check(scaled)
+    # linear scaling stretches the context by its factor (vLLM's derived max_model_len);
+    # a prompt past the unscaled context still matches transformers
+    base = 64  # config.json's max_position_embeddings
+    assert cfg.max_position_embeddings == 4 * base
+    long_ids = _prompts(1, base + 24, seed=7)[0]
+    hf = tf.AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32).eval()
+    model = load_model(scaled, TPGroup(), torch.float32, "cpu")
+    (logits,) = Runner(model, 4).step([(0, 0, long_ids)])
+    torch.testing.assert_close(logits, _hf_logits(hf, long_ids), atol=1e-4, rtol=1e-4)
 
     def window_past_the_last_layer(c: dict) -> None:
         c.update(use_sliding_window=True, sliding_window=8, max_window_layers=3)

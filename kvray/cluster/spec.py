@@ -185,14 +185,15 @@ def check_tp_split(mc: ModelConfig, tp_size: int) -> None:
 
 def check_max_seq_len(mc: ModelConfig, max_seq_len: int | None) -> None:
     """Refuse a `max_seq_len` longer than the model's context (config.json's
-    max_position_embeddings, or a shorter Mistral sliding_window, the context kvray serves
+    max_position_embeddings, times a linear rope scaling's factor, or a shorter Mistral
+    sliding_window, the context kvray serves
     such a model at), as vLLM refuses a max_model_len past the model's: silently serving
     less than was asked for would truncate every client's budget."""
     if max_seq_len is not None and max_seq_len > mc.max_position_embeddings:
         raise ValueError(
             f"max_seq_len {max_seq_len} is longer than the model's context, "
             f"{mc.max_position_embeddings} tokens (config.json's max_position_embeddings, "
-            "or its sliding_window where that is shorter)"
+            "times a linear rope_scaling factor, or its sliding_window where that is shorter)"
         )
 
 

@@ -95,6 +95,10 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
         max_positions = int(cfg.get("max_position_embeddings") or (32768 if is_qwen else 2048))
         rope_theta, rope_scaling = _parse_rope(cfg, max_positions)
+        if rope_scaling is not None and rope_scaling.rope_type == "linear":
+            # Linear scaling stretches the trained positions by its factor: the context is
+            # max_position_embeddings times it (as vLLM derives max_model_len).
+            max_positions = int(max_positions * rope_scaling.factor)
         window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
         if window is not None and int(window) < max_positions:
             max_positions = int(window)
