@@ -116,7 +116,12 @@ def _start_and_serve(
     stop: threading.Event,
     serving: threading.Event,
 ) -> int:
-    from kvray.cluster.spec import check_max_seq_len, check_tp_split, resolve_model_path
+    from kvray.cluster.spec import (
+        check_max_seq_len,
+        check_tp_split,
+        is_hub_id,
+        resolve_model_path,
+    )
     from kvray.deploy.app import direct_ingress_env, own_cluster_env
     from kvray.models import ModelConfig
     from kvray.net import wait_for_port
@@ -148,7 +153,10 @@ def _start_and_serve(
 
     if config.api_key is None and config.api_key_env is None and os.environ.get(API_KEY_ENV):
         config = config.model_copy(update={"api_key_env": API_KEY_ENV})
-    settings = config.resolved(str(path))
+    # On a cluster already running (--address) replicas may be on other nodes, where this
+    # node's Hub cache path means nothing: they get the Hub id and resolve it themselves.
+    remote_hub = args.address is not None and config.model is not None and is_hub_id(config.model)
+    settings = config.resolved(None if remote_hub else str(path))
     model_name = settings.served_model_name
     print(f"[kvray] starting Ray ({args.address or 'local'})...", file=sys.stderr, flush=True)
     ray.init(address=args.address, include_dashboard=False, configure_logging=False)
