@@ -37,9 +37,10 @@ VLLM_ENGINE_ARGS = {
 VLLM_IGNORED_ARGS = ("trust_remote_code", "gpu_memory_utilization", "enforce_eager")
 
 
-def cli_aliases(*flags: str) -> dict[str, Any]:
-    """Extra command-line spellings of a field's flag (its own is --field-name)."""
-    return {"cli_aliases": list(flags)}
+def cli_aliases(*flags: str, sized: bool = False) -> dict[str, Any]:
+    """Extra command-line spellings of a field's flag (its own is --field-name); `sized`:
+    the flag also reads token counts as vLLM's do (32k, 1.5k, 32K = 32768)."""
+    return {"cli_aliases": list(flags), **({"sized": True} if sized else {})}
 
 
 def _check_lookup(config: Any) -> Any:
@@ -114,7 +115,7 @@ class EngineConfig(BaseModel):
         default=2048,
         gt=0,
         description="prompt tokens computed per step (the prefill chunk)",
-        json_schema_extra=cli_aliases("--max-num-batched-tokens"),
+        json_schema_extra=cli_aliases("--max-num-batched-tokens", sized=True),
     )
     itl_target_ms: float | None = Field(
         default=None,
@@ -128,7 +129,7 @@ class EngineConfig(BaseModel):
         default=None,
         gt=1,
         description="longest prompt + output; None: the model's context",
-        json_schema_extra=cli_aliases("--max-model-len"),
+        json_schema_extra=cli_aliases("--max-model-len", sized=True),
     )
     speculative_tokens: int = Field(
         default=0,

@@ -54,6 +54,18 @@ def test_a_vllm_serve_command_line_means_the_same_settings() -> None:
     assert serve_config("--enable-prefix-caching").cache_policy == "radix"
 
 
+def test_token_counts_read_as_vllm_reads_them() -> None:
+    """--max-model-len and --max-num-batched-tokens take vLLM's suffixes: k, m decimal,
+    K, M binary; anything else is refused by the flag, naming it."""
+    config = serve_config("--max-model-len", "32k", "--max-num-batched-tokens", "2K")
+    assert (config.max_seq_len, config.max_prefill_tokens) == (32000, 2048)
+    assert serve_config("--max-seq-len", "1.5k").max_seq_len == 1500
+    assert serve_config("--max-seq-len", "4096").max_seq_len == 4096
+    for bad in ("1.5K", "1.2345k", "12x", "k"):
+        with pytest.raises(SystemExit):
+            serve_config("--max-model-len", bad)
+
+
 def test_vllm_dtype_names_in_a_config_and_offline() -> None:
     assert EngineConfig(dtype="half").dtype == "float16"
     assert ServeConfig(dtype="float").dtype == "float32"

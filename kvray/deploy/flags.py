@@ -8,6 +8,7 @@ takes `none` to unset it.
 from __future__ import annotations
 
 import argparse
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +34,32 @@ def _or_none(kind: Any) -> Any:
 
     parse.__name__ = kind.__name__  # argparse names the type in its errors
     return parse
+
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def sized_int(text: str) -> int:
+    """A token count as vLLM's flags read one: an integer, or one with a suffix, decimal in
+    lower case (32k = 32000, 1.5k = 1500) and binary in upper case (32K = 32768, whole
+    numbers only)."""
+    text = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text)
+    if match is None:
+        return int(text)
+    number, suffix = match.groups()
+    if suffix in _BINARY:
+        if "." in number:
+            raise ValueError(f"{text!r}: a binary suffix takes a whole number")
+        return int(number) * _BINARY[suffix]
+    value = float(number) * _DECIMAL[suffix]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
+sized_int.__name__ = "token count"  # argparse names the type in its errors
 
 
 def add_model_flags(
@@ -66,9 +93,9 @@ def add_model_flags(
                 kw["type"] = _aliased(aliases)  # type: ignore[arg-type]
                 help_text += " (also " + ", ".join(aliases) + ")"  # type: ignore[arg-type]
         else:
-            kw["type"] = kind
+            kw["type"] = sized_int if kind is int and extra.get("sized") else kind
             if kind is not field.annotation and default is not None:  # X | None, set
-                kw["type"] = _or_none(kind)
+                kw["type"] = _or_none(kw["type"])
                 help_text += "; 'none' unsets it"
             if choices and name in choices:
                 kw["choices"] = list(choices[name])
