@@ -81,8 +81,9 @@ class EngineConfig(BaseModel):
     dtype: DType = Field(
         default="auto",
         description="weights and KV dtype; auto follows the checkpoint, running float32 "
-        "checkpoints in bfloat16 (ask for float32 for exact-reference runs); vLLM's half "
-        "and float mean float16 and float32",
+        "checkpoints in bfloat16, but runs float32 on a CPU without fast bfloat16 (no "
+        "AVX-512) (ask for float32 for exact-reference runs); vLLM's half and float mean "
+        "float16 and float32",
         json_schema_extra={"value_aliases": DTYPE_ALIASES},
     )
     device: Device = Field(

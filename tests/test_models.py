@@ -322,6 +322,31 @@ def test_engine_spec_eos_ids_and_tp_split(checkpoints, tmp_path: Path) -> None:
         spec(odd_mlp, tp_size=4)
 
 
+def test_auto_dtype_follows_the_device(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: a float32 checkpoint runs in bfloat16 on a GPU and on a CPU with fast bfloat16
+    (oneDNN's AVX-512 kernels); on a CPU without them every checkpoint runs in float32, where
+    bfloat16 would be several times slower. An explicit dtype is kept everywhere."""
+    from kvray.cluster import spec as spec_module
+    from kvray.cluster.spec import EngineSpec, cpu_has_fast_bfloat16, resolve_dtype
+    from kvray.config import EngineConfig
+
+    fast = cpu_has_fast_bfloat16()
+    if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):
+        assert not fast  # no AVX-512: torch's bfloat16 matmul is its slow reference
+    assert resolve_dtype("auto", torch.float32, "cuda") == "bfloat16"
+    assert resolve_dtype("auto", torch.float16, "cuda") == "float16"
+    assert resolve_dtype("auto", torch.float32, "cpu") == ("bfloat16" if fast else "float32")
+    assert resolve_dtype("auto", torch.bfloat16, "cpu") == ("bfloat16" if fast else "float32")
+    assert resolve_dtype("bfloat16", torch.float32, "cpu") == "bfloat16"
+    path, _ = checkpoints["llama"]  # a float32 checkpoint
+    for device in ("cpu", "auto") if not torch.cuda.is_available() else ("cpu",):
+        spec = EngineSpec.resolve(EngineConfig(model=str(path), device=device), progress=False)
+        assert spec.dtype == ("bfloat16" if fast else "float32")
+    # the CPU of the other answer
+    monkeypatch.setattr(spec_module, "cpu_has_fast_bfloat16", lambda: not fast)
+    assert resolve_dtype("auto", torch.float32, "cpu") == ("float32" if fast else "bfloat16")
+
+
 def test_sharded_index_and_missing_weights(checkpoints, tmp_path: Path) -> None:
     """Many safetensors files with an index load like one; a missing tensor is an error."""
     from safetensors.torch import load_file, save_file

@@ -59,10 +59,10 @@ class Engine:
     ) -> None:
         ensure_ray(address)
         self.config = config
-        self.spec = EngineSpec.resolve(config, progress=progress)
         device = config.device
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        self.spec = EngineSpec.resolve(config, progress=progress, device=device)
         # A named scheduler can be found by the API server (metrics, stop-string aborts).
         self.name = name
         self.pg_name_prefix = f"kvray-pg-{uuid.uuid4().hex[:12]}"
