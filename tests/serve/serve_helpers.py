@@ -28,6 +28,17 @@ MAX_TOKENS_DEFAULT = 48
 MAX_TOKENS_CAP = 1000
 
 
+# A stream that runs to the KV pool's end: sampled (no two alike), no EOS.
+LONG_STREAM = {
+    "model": MODEL,
+    "prompt": "Tell me a very long story about a dragon.",
+    "max_tokens": CONTEXT - 64,
+    "ignore_eos": True,
+    "temperature": 0.8,
+    "stream": True,
+}
+
+
 @contextmanager
 def serve_app(model_dir: Path, **settings: Any) -> Iterator[str]:
     """Run the kvray Serve app (`settings`: ServeConfig fields); yields its root URL.

@@ -19,6 +19,7 @@ import ray
 from .serve_helpers import (
     CONTEXT,
     FRANCE,
+    LONG_STREAM,
     MODEL,
     PAGE_SIZE,
     assert_engine_clean,
@@ -779,14 +780,7 @@ def test_dropped_streams_free_their_pages(http: httpx.Client, server: str) -> No
     aborted0 = sample(before, "kvray:num_aborted_requests", "_total")
     stats0 = assert_engine_clean()
 
-    body = {
-        "model": MODEL,
-        "prompt": "Tell me a very long story about a dragon.",
-        "max_tokens": CONTEXT - 64,
-        "ignore_eos": True,
-        "temperature": 0.8,
-        "stream": True,
-    }
+    body = LONG_STREAM
     clients = [httpx.Client(base_url=server, timeout=120) for _ in range(10)]
     responses = []
     try:

@@ -26,7 +26,15 @@ from kvray.deploy.api import create_app
 from kvray.deploy.generation import EngineLimits
 from kvray.deploy.openai import OpenAIServing
 
-from .serve_helpers import CONTEXT, FRANCE, MODEL, assert_engine_clean, chat_ids, scheduler
+from .serve_helpers import (
+    CONTEXT,
+    FRANCE,
+    LONG_STREAM,
+    MODEL,
+    assert_engine_clean,
+    chat_ids,
+    scheduler,
+)
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -61,14 +69,7 @@ def test_health_answers_at_once_while_the_engine_is_saturated(
     answers 200 at once, from the engine's progress, and sends it no probe (a probe would
     queue behind the streams, and count as a finished request)."""
     streams = 12
-    body = {
-        "model": MODEL,
-        "prompt": "Tell me a very long story about a dragon.",
-        "max_tokens": CONTEXT - 64,
-        "ignore_eos": True,
-        "temperature": 0.8,
-        "stream": True,
-    }
+    body = LONG_STREAM
     clients = [httpx.Client(base_url=server, timeout=120) for _ in range(streams)]
     responses = []
     try:
