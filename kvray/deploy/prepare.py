@@ -229,9 +229,14 @@ def _sampling(
     seed = None if req.seed is None else (req.seed + choice) % (2**63)
     min_tokens = req.min_tokens or 0
     if min_tokens > max_tokens:
-        raise APIError(
-            400, f"min_tokens is {min_tokens}, more than max_tokens ({max_tokens})", "min_tokens"
+        requested, field = req.requested_max_tokens()
+        budget = (
+            f"{field} ({max_tokens})"
+            if requested is not None
+            else f"this request's budget of {max_tokens} tokens (it set no {field}: the rest "
+            "of the context, within the server's and the checkpoint's default budgets)"
         )
+        raise APIError(400, f"min_tokens is {min_tokens}, more than {budget}", "min_tokens")
     return SamplingParams(
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         min_tokens=min_tokens,

@@ -581,6 +581,15 @@ MALFORMED: list[tuple[str, str, str, Any, int, str | None]] = [
     ("logit-bias-value", "POST", _CHAT, _chat(logit_bias={"42": 101}), 400, "logit_bias"),
     ("logit-bias-oov", "POST", _CMPL, _cmpl(logit_bias={"49152": 1}), 400, "logit_bias"),
     ("min-tokens-over", "POST", _CMPL, _cmpl(min_tokens=9, max_tokens=8), 400, "min_tokens"),
+    # no max_tokens: more than the default budget (the rest of the context)
+    (
+        "min-tokens-over-default",
+        "POST",
+        _CMPL,
+        _without(_cmpl(min_tokens=CONTEXT), "max_tokens"),
+        400,
+        "min_tokens",
+    ),
     ("repetition-zero", "POST", _CHAT, _chat(repetition_penalty=0), 400, "repetition_penalty"),
     # echo would also return the prompt's logprobs, which kvray does not compute
     ("echo-with-logprobs", "POST", _CMPL, _cmpl(echo=True, logprobs=1), 400, "echo"),
