@@ -296,6 +296,17 @@ def test_a_burst_of_new_prompts_spreads_over_both_replicas(server: str, http: ht
     before Serve has sent any of it does not all land on one replica."""
     import concurrent.futures as cf
 
+    # One engine holds many more cached pages than the other (the tie-break between
+    # equally loaded replicas): a burst counted only once sent would all go to the other.
+    big = sorted(schedulers().items())[0][1]
+    quick = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i in range(6):
+        ray.get(big.submit.remote(opening(90 + i)[:64], quick))
+    deadline = time.monotonic() + 30
+    while ray.get(big.stats.remote())["num_running"] + ray.get(big.stats.remote())["num_waiting"]:
+        assert time.monotonic() < deadline, "the cache-filling requests did not finish"
+        time.sleep(0.05)
+    time.sleep(0.5)  # the router's digest follows within a step
     prompts = [opening(80 + i)[:32] for i in range(8)]
     before = stats()
 

@@ -60,6 +60,7 @@ def test_token_counts_read_as_vllm_reads_them() -> None:
     config = serve_config("--max-model-len", "32k", "--max-num-batched-tokens", "2K")
     assert (config.max_seq_len, config.max_prefill_tokens) == (32000, 2048)
     assert serve_config("--max-seq-len", "1.5k").max_seq_len == 1500
+    assert serve_config("--max-seq-len", "1.001k").max_seq_len == 1001  # no float rounding
     assert serve_config("--max-seq-len", "4096").max_seq_len == 4096
     for bad in ("1.5K", "1.2345k", "12x", "k"):
         with pytest.raises(SystemExit):

@@ -146,7 +146,7 @@ def run_policy(
     from kvray.cluster.spec import EngineSpec
 
     config = _engine_config(args, w, policy)
-    spec = EngineSpec.resolve(config, progress=progress)
+    spec = EngineSpec.resolve(config, progress=progress, device=args.device)
     engine = LocalEngine(config, spec, device=args.device)
     try:
         prompts = w.prompts(spec.vocab_size)

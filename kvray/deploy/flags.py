@@ -12,6 +12,7 @@ import re
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
+from decimal import Decimal
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -53,7 +54,7 @@ def sized_int(text: str) -> int:
         if "." in number:
             raise ValueError(f"{text!r}: a binary suffix takes a whole number")
         return int(number) * _BINARY[suffix]
-    value = float(number) * _DECIMAL[suffix]
+    value = Decimal(number) * _DECIMAL[suffix]  # (exact: 1.001k is 1001)
     if value != int(value):
         raise ValueError(f"{text!r} is not a whole number of tokens")
     return int(value)

@@ -140,11 +140,12 @@ class Preparer:
         n, jobs = req.num_choices, list[Job]()
         for p, ids in enumerate(prompts):
             max_tokens = self._budget(len(ids), req.max_tokens, "max_tokens")
+            asked = None if req.max_tokens is None else "max_tokens"
             jobs += [
                 Job(
                     p * n + j,
                     ids,
-                    _sampling(req, max_tokens, j, req.logprobs, structured, self.defaults),
+                    _sampling(req, max_tokens, j, req.logprobs, structured, self.defaults, asked),
                 )
                 for j in range(n)
             ]
@@ -192,7 +193,19 @@ class Preparer:
         max_tokens = self._budget(len(ids), requested, field)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = tuple(
-            Job(j, ids, _sampling(req, max_tokens, j, logprobs, structured, self.defaults))
+            Job(
+                j,
+                ids,
+                _sampling(
+                    req,
+                    max_tokens,
+                    j,
+                    logprobs,
+                    structured,
+                    self.defaults,
+                    None if requested is None else field,
+                ),
+            )
             for j in range(req.num_choices)
         )
         fields = {"prompt": "messages", "max_tokens": field}
@@ -220,7 +233,11 @@ def _sampling(
     logprobs: int | None,
     structured: StructuredOutputsParams | None,
     defaults: Mapping[str, float | int],
+    asked: str | None,
 ) -> SamplingParams:
+    """`asked`: the field that set the request's budget `max_tokens`; None when the
+    request set none (the budget is then the server's default)."""
+
     def given(name: str, value: float | int | None, openai: float | int) -> Any:
         """The request's value, else the checkpoint's default, else OpenAI's."""
         return value if value is not None else defaults.get(name, openai)
@@ -229,12 +246,11 @@ def _sampling(
     seed = None if req.seed is None else (req.seed + choice) % (2**63)
     min_tokens = req.min_tokens or 0
     if min_tokens > max_tokens:
-        requested, field = req.requested_max_tokens()
         budget = (
-            f"{field} ({max_tokens})"
-            if requested is not None
-            else f"this request's budget of {max_tokens} tokens (it set no {field}: the rest "
-            "of the context, within the server's and the checkpoint's default budgets)"
+            f"{asked} ({max_tokens})"
+            if asked is not None
+            else f"this request's budget of {max_tokens} tokens (it set no max_tokens: the "
+            "rest of the context, within the server's and the checkpoint's default budgets)"
         )
         raise APIError(400, f"min_tokens is {min_tokens}, more than {budget}", "min_tokens")
     return SamplingParams(

@@ -9,12 +9,13 @@ one call returns every change since the last, or waits for a step to make some),
 finished turn's prefix is known to the router within about a step. A request's token ids
 (the ingress tokenizes before routing) give its chain keys, and the replica whose digest
 matches the most leading pages wins, unless its load (requests in flight: Serve's count or
-the engine's running + waiting, whichever is higher, plus those chosen for it and not yet
-sent, so a burst spreads) exceeds the least loaded replica's by
+the engine's running + waiting, whichever is higher, plus those chosen for it or given it
+and not yet sent, so a burst spreads) exceeds the least loaded replica's by
 more than `load_margin`; then the least loaded one wins (as it does when nothing matches;
 ties: the smaller cache). Between a request's routing and its prefix
 reaching the digest (its prefill done), the router counts the prompt as held by the replica
-it chose (for `routed_ttl_s`), so a burst sharing a new prefix lands together.
+it chose (for `routed_ttl_s`), so a burst sharing a new prefix lands together, up to
+`load_margin` requests more than the least loaded replica holds.
 
 The router never waits on an engine: routing reads only the local copies. A replica whose
 engine stops answering its poll is left out while another one answers, and Serve drops a
@@ -86,14 +87,8 @@ class _EngineView:
     # Prompts routed here and not yet confirmed by the digest (a request's prefix enters
     # the cache when its prefill is done): chain key -> when it stops counting.
     routed: dict[int, float] = field(default_factory=dict)
-    # Requests chosen for this replica and not yet sent there (when each stops counting):
-    # a burst routed before Serve counts any of them would otherwise all see the same loads
-    # and land on one replica.
-    chosen: list[float] = field(default_factory=list)
-
-    def unsent(self, now: float) -> int:
-        self.chosen = [t for t in self.chosen if t >= now]
-        return len(self.chosen)
+    # Requests given this replica and not yet sent there: when each stops counting.
+    given: list[float] = field(default_factory=list)
 
     def matched_pages(self, keys: Sequence[int], now: float) -> int:
         routed = self.routed
@@ -131,6 +126,9 @@ class EngineFollowingRouter(RequestRouter):
         self._share_kv_min_tokens = share_kv_min_tokens
         self._views: dict[ReplicaID, _EngineView] = {}
         self._polls: dict[ReplicaID, asyncio.Task[None]] = {}
+        # Requests chosen and not yet given a replica: id(request) -> (the replica chosen,
+        # when the choice stops counting). A request chosen again replaces its choice.
+        self._choices: dict[int, tuple[ReplicaID, float]] = {}
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None
@@ -159,6 +157,7 @@ class EngineFollowingRouter(RequestRouter):
                 record(pending)
                 pending.future.set_result(replica)
                 unindex(pending)
+                self._given(pending, replica.replica_id)
                 return
         super()._fulfill_next_pending_request(replica, request_metadata)
 
@@ -217,18 +216,44 @@ class EngineFollowingRouter(RequestRouter):
         """Requests in flight at a replica: Serve's count (this router's sends and their
         ends, and the replica's own reports) or its engine's, whichever is higher (the
         engine's also counts requests from other routers), plus the requests this router
-        chose it for and has not sent yet."""
+        chose it for or gave it and has not sent yet (`_unsent`)."""
         view = self._views.get(rid)
         engine = view.load if view is not None else 0
-        unsent = view.unsent(time.monotonic()) if view is not None else 0
-        return max(self._replica_queue_len_cache.get(rid) or 0, engine) + unsent
+        return max(self._replica_queue_len_cache.get(rid) or 0, engine) + self._unsent(rid)
+
+    def _unsent(self, rid: ReplicaID) -> int:
+        """Requests on their way to `rid` that no count has yet: chosen for it (until given
+        a replica) or given it (until Serve sends them, and counts them from then on). A
+        burst routed before any of it is sent would otherwise see one set of loads and
+        land on one replica. Each stops counting after CHOSEN_TTL_S, sent or not."""
+        now = time.monotonic()
+        self._choices = {k: c for k, c in self._choices.items() if c[1] >= now}
+        view = self._views.get(rid)
+        given = 0
+        if view is not None:
+            view.given = [t for t in view.given if t >= now]
+            given = len(view.given)
+        return given + sum(1 for chosen, _ in self._choices.values() if chosen == rid)
+
+    def _chose(self, request: PendingRequest | None, rid: ReplicaID) -> None:
+        if request is not None:
+            self._choices[id(request)] = (rid, time.monotonic() + CHOSEN_TTL_S)
+
+    def _given(self, request: PendingRequest, rid: ReplicaID) -> None:
+        """`request` was given `rid` (whichever replica it was chosen for): it counts
+        there until it is sent."""
+        self._choices.pop(id(request), None)
+        view = self._views.get(rid)
+        if view is not None:
+            view.given.append(time.monotonic() + CHOSEN_TTL_S)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
-        """A request goes to `replica_id`: Serve counts it from now on, so the oldest of
-        the choices made for that replica stops counting."""
+        """A request goes to `replica_id`: Serve counts it from now on, so one of the
+        requests given that replica stops counting here."""
         view = self._views.get(replica_id)
-        if view is not None and view.chosen:
-            view.chosen.pop(0)
+        if view is not None:
+            now = time.monotonic()
+            view.given = [t for t in view.given if t >= now][1:]
         super().on_send_request(replica_id)
 
     def _view(self, replica: RunningReplica) -> _EngineView:
@@ -253,11 +278,8 @@ class EngineFollowingRouter(RequestRouter):
         """Bookkeeping of a decision: the prompt counts as held by `chosen` until its
         digest says so; with `share_kv`, the request names the replica to fetch from."""
         view = self._views.get(chosen.replica_id)
-        now = time.monotonic()
-        if view is not None:
-            view.chosen.append(now + CHOSEN_TTL_S)
-            if keys:
-                view.routed.update(dict.fromkeys(keys, now + self._routed_ttl_s))
+        if view is not None and keys:
+            view.routed.update(dict.fromkeys(keys, time.monotonic() + self._routed_ttl_s))
         if request is None:
             return
         request.kwargs.pop("kv_source", None)  # (a request may be routed more than once)
@@ -301,7 +323,7 @@ class PrefixRouter(EngineFollowingRouter):
         least = by_load[0]
         ids = token_ids(pending_request)
         if ids is None:
-            self._routed(pending_request, least, [], {})
+            self._chose(pending_request, least.replica_id)
             return [[least], by_load[1:]]
         keys, matched = self._matches(ids, candidate_replicas)
         best = max(by_load, key=lambda r: matched[r.replica_id])  # first max: less loaded
@@ -315,6 +337,7 @@ class PrefixRouter(EngineFollowingRouter):
         metrics.ROUTER_STATS["tokens"] += len(ids)
         metrics.ROUTER_STATS["matched_tokens"] += matched[chosen.replica_id] * self._page_size
         self._routed(pending_request, chosen, keys, matched)
+        self._chose(pending_request, chosen.replica_id)
         # If the chosen replica cannot take it now (full), Serve tries the rest, by load.
         return [[chosen], [r for r in by_load if r is not chosen]]
 
