@@ -13,7 +13,7 @@ import torch
 
 from kvray.cluster.engine_core import EngineCore
 from kvray.cluster.executor import LocalExecutor
-from kvray.cluster.spec import EngineSpec
+from kvray.cluster.spec import EngineSpec, resolve_device
 from kvray.config import EngineConfig
 from kvray.core import SamplingParams, TokenEvent
 from kvray.workers.worker import ModelWorker
@@ -29,10 +29,8 @@ class LocalEngine(EngineCore):
         if config.tp_size != 1:
             raise ValueError("LocalEngine runs TP 1; use the Ray engine for tp_size > 1")
         spec = spec or EngineSpec.resolve(config)
-        device = device or config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        elif device == "cuda" and not torch.cuda.is_available():
+        device = resolve_device(device or config.device)
+        if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device is cuda, but this process's torch sees no CUDA GPU")
         # In process the step is computed inside submit: nothing to overlap with.
         super().__init__(spec, LocalExecutor(spec.worker_spec(device)), max_inflight=1)

@@ -118,6 +118,13 @@ def cpu_has_fast_bfloat16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def resolve_device(requested: str) -> str:
+    """ "auto" is CUDA when this process's torch sees a GPU, else the CPU."""
+    if requested != "auto":
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def resolve_dtype(requested: str, checkpoint: torch.dtype, device: str = "cpu") -> str:
     """ "auto" follows the checkpoint, except that float32 checkpoints run in bfloat16
     (as vLLM does), and that on a CPU without fast bfloat16 (`cpu_has_fast_bfloat16`)
@@ -236,10 +243,7 @@ class EngineSpec:
         mc = ModelConfig.from_pretrained(path)
         check_tp_split(mc, config.tp_size)
         check_max_seq_len(mc, config.max_seq_len)
-        if device is None:
-            device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(device or config.device)
         dtype = resolve_dtype(config.dtype, mc.dtype, device)
         num_pages = config.num_pages
         if num_pages is None:
