@@ -127,11 +127,15 @@ def complete(http: httpx.Client, prompt: list[int], max_tokens: int = TURN_TOKEN
     return r.json()["choices"][0]["text"]
 
 
+def looked_up(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> list[str]:
+    """The engines whose prefix-cache lookups moved between two `stats()` (each admitted
+    request looks its prompt up)."""
+    return [n for n in after if after[n]["prefix_query_tokens"] != before[n]["prefix_query_tokens"]]
+
+
 def served_by(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> str:
     """The one engine whose prefix-cache lookups moved between two `stats()`."""
-    moved = [
-        n for n in after if after[n]["prefix_query_tokens"] != before[n]["prefix_query_tokens"]
-    ]
+    moved = looked_up(before, after)
     assert len(moved) == 1, f"expected one engine to serve the request, got {moved}"
     return moved[0]
 
@@ -303,7 +307,7 @@ def test_a_burst_of_new_prompts_spreads_over_both_replicas(server: str, http: ht
     for i in range(6):
         ray.get(big.submit.remote(opening(90 + i)[:64], quick))
     deadline = time.monotonic() + 30
-    while ray.get(big.stats.remote())["num_running"] + ray.get(big.stats.remote())["num_waiting"]:
+    while (s := ray.get(big.stats.remote()))["num_running"] + s["num_waiting"]:
         assert time.monotonic() < deadline, "the cache-filling requests did not finish"
         time.sleep(0.05)
     time.sleep(0.5)  # the router's digest follows within a step
@@ -390,15 +394,7 @@ def _start_streams(
         threads.append(thread)
         results.append(out)
         deadline = time.monotonic() + 30
-        while True:
-            after = stats()
-            moved = [
-                n
-                for n in after
-                if after[n]["prefix_query_tokens"] != before[n]["prefix_query_tokens"]
-            ]
-            if moved:
-                break
+        while not (moved := looked_up(before, after := stats())):
             assert time.monotonic() < deadline, "a stream was not admitted"
             time.sleep(0.02)
         (engine,) = moved

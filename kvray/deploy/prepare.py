@@ -191,21 +191,10 @@ class Preparer:
             ) from None
         requested, field = req.requested_max_tokens()
         max_tokens = self._budget(len(ids), requested, field)
+        asked = None if requested is None else field
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = tuple(
-            Job(
-                j,
-                ids,
-                _sampling(
-                    req,
-                    max_tokens,
-                    j,
-                    logprobs,
-                    structured,
-                    self.defaults,
-                    None if requested is None else field,
-                ),
-            )
+            Job(j, ids, _sampling(req, max_tokens, j, logprobs, structured, self.defaults, asked))
             for j in range(req.num_choices)
         )
         fields = {"prompt": "messages", "max_tokens": field}
