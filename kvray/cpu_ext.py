@@ -7,7 +7,8 @@ it, its flags, the torch version and the CPU it is compiled for (`-march=native`
 source or header, or another CPU, is a new build, never a stale or illegal binary, and
 later processes only load what torch cached under ~/.cache/torch_extensions (or
 TORCH_EXTENSIONS_DIR).
-Where it cannot be built (no AVX-512 where its kernels need it, no compiler or ninja) or
+Where it cannot be built (a CPU without the instruction sets its kernels need, no compiler or
+ninja) or
 `KVRAY_CPU_KERNELS=0` is set, `load()` returns None and callers keep to their plain path.
 
 torch serialises builds with a `lock` file in the build directory, and every load (an
@@ -49,8 +50,17 @@ def _cpuinfo() -> str:
         return ""
 
 
+def cpu_flags() -> frozenset[str]:
+    """The first CPU's instruction-set flags, as /proc/cpuinfo names them."""
+    for line in _cpuinfo().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
 def cpu_has_avx512() -> bool:
-    return "avx512f" in _cpuinfo()
+    return "avx512f" in cpu_flags()
 
 
 @cache
@@ -69,21 +79,26 @@ KERNEL_MODULES = (
     "kvray.models.fused",
     "kvray.models.packed",
     "kvray.attention.cpu_paged",
+    "kvray.attention.cpu_avx2",
     "kvray.workers.cpu_bind",
     "kvray.kvcache.cpu_store",
 )
 
 
 class CpuExtension:
-    """One C++ source file (in `kvray/csrc`), for AVX-512 CPUs unless `requires_avx512` is
-    False, built at most once per process (thread-safe)."""
+    """One C++ source file (in `kvray/csrc`), built at most once per process (thread-safe),
+    on CPUs with every instruction set of `requires` (cpuinfo's flag names; AVX-512 unless
+    told otherwise)."""
 
     def __init__(
-        self, source: Path, extra_cflags: Sequence[str] = (), requires_avx512: bool = True
+        self,
+        source: Path,
+        extra_cflags: Sequence[str] = (),
+        requires: Sequence[str] = ("avx512f",),
     ) -> None:
         self.source = source
         self.extra_cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
-        self.requires_avx512 = requires_avx512
+        self.requires = frozenset(requires)
         self._lock = threading.Lock()
         self._module: Any = None
         self._tried = False
@@ -108,7 +123,7 @@ class CpuExtension:
         with self._lock:
             if self._tried:
                 return self._module
-            if kernels_enabled() and (cpu_has_avx512() or not self.requires_avx512):
+            if kernels_enabled() and self.requires <= cpu_flags():
                 try:
                     from torch.utils.cpp_extension import load
 

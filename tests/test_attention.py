@@ -10,12 +10,16 @@ from kvray.attention import (
     ATTENTION_BACKENDS,
     AttnMetadata,
     backend_names,
+    cpu_avx2,
     cpu_paged,
     create_attention_backend,
     resolve_backend_name,
 )
+from kvray.attention.cpu_backend import Avx2AttentionBackend, CpuAttentionBackend
 
-CPU_KERNEL = cpu_paged.available()
+CPU_KERNEL = cpu_paged.available()  # the AVX-512 kernels
+# The AVX2 kernel serves the "cpu" backend where the AVX-512 kernels do not build.
+AVX2_BACKEND = not CPU_KERNEL and cpu_avx2.available()
 
 
 @pytest.mark.parametrize(
@@ -24,6 +28,9 @@ CPU_KERNEL = cpu_paged.available()
         ("torch", HEAD_DIM),
         pytest.param(
             "cpu", 16, marks=pytest.mark.skipif(not CPU_KERNEL, reason="no AVX-512 kernel")
+        ),
+        pytest.param(
+            "cpu", 40, marks=pytest.mark.skipif(not AVX2_BACKEND, reason="not the AVX2 kernel")
         ),
     ],
 )
@@ -36,6 +43,8 @@ def test_mixed_batch_matches_dense(
     dtype = torch.float32
     pool = Pool(page_size, kv_heads, dtype, seed=page_size, head_dim=head_dim)
     backend = create_attention_backend(backend_name, pool.cache, q_heads, head_dim, head_dim**-0.5)
+    if backend_name == "cpu":
+        assert isinstance(backend, CpuAttentionBackend if CPU_KERNEL else Avx2AttentionBackend)
     total = [c + n for c, n in MIXED]
     q_all = [torch.randn(n, q_heads, head_dim, dtype=dtype) for n in total]
     k_all = [torch.randn(n, kv_heads, head_dim, dtype=dtype) for n in total]
@@ -133,11 +142,15 @@ def test_registry_and_auto() -> None:
     pool = Pool(16, 2, torch.float32, seed=0)
     assert set(ATTENTION_BACKENDS.names()) == {"cpu", "torch", "flash_attn", "triton"}
     assert backend_names()[0] == "auto"
-    # A CPU pool: the C++ decode kernel where it serves the head size, else plain torch.
-    assert resolve_backend_name("auto", pool.cache, 8) == "torch"
-    assert resolve_backend_name("auto", pool.cache, 64) == ("cpu" if CPU_KERNEL else "torch")
+    # A CPU pool: the C++ kernels where they serve the head size, else plain torch (the
+    # AVX-512 ones take multiples of 16, the AVX2 one multiples of 8 up to 256).
+    assert resolve_backend_name("auto", pool.cache, 8) == ("cpu" if AVX2_BACKEND else "torch")
+    assert resolve_backend_name("auto", pool.cache, 12) == "torch"
+    assert resolve_backend_name("auto", pool.cache, 64) == (
+        "cpu" if CPU_KERNEL or AVX2_BACKEND else "torch"
+    )
     with pytest.raises(ValueError, match="multiple of 16"):
-        create_attention_backend("cpu", pool.cache, 4, HEAD_DIM, 1.0)
+        create_attention_backend("cpu", pool.cache, 4, 12, 1.0)
     with pytest.raises(ValueError, match="unknown attention backend"):
         create_attention_backend("nope", pool.cache, 4, HEAD_DIM, 1.0)
     # No flash-attn here, and page_size 16 would be refused anyway.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import subprocess
 import sys
@@ -44,15 +45,15 @@ def test_every_source_edit_is_a_new_build(monkeypatch, tmp_path) -> None:
         "kv_store.cpp",
         "omp_bind.cpp",
         "paged_attention.cpp",
+        "paged_attention_avx2.cpp",
     ]
 
 
-@pytest.mark.skipif(not cpu_ext.cpu_has_avx512(), reason="no AVX-512: nothing is ever built")
 def test_a_failed_build_is_a_warning_and_none(monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setenv("KVRAY_CPU_KERNELS", "1")
     source = tmp_path / "broken_build.cpp"
     source.write_text("int f( { return 0; }")
-    ext = CpuExtension(source)
+    ext = CpuExtension(source, requires=())  # tried on any CPU
     with caplog.at_level(logging.WARNING, logger="kvray.cpu_ext"):
         assert ext.load() is None
     assert "broken_build.cpp unavailable" in caplog.text
@@ -60,13 +61,27 @@ def test_a_failed_build_is_a_warning_and_none(monkeypatch, caplog, tmp_path) -> 
     assert ext.load() is None and not caplog.text  # tried once, not again
 
 
+def test_a_cpu_without_the_required_sets_never_builds(monkeypatch, caplog, tmp_path) -> None:
+    monkeypatch.setenv("KVRAY_CPU_KERNELS", "1")
+    monkeypatch.setattr(cpu_ext, "_cpuinfo", lambda: "flags\t\t: fpu sse2 avx2 fma\n")
+    assert cpu_ext.cpu_flags() == {"fpu", "sse2", "avx2", "fma"}
+    source = tmp_path / "never_built.cpp"
+    source.write_text("this is not C++")  # a build would fail, with a warning
+    with caplog.at_level(logging.WARNING, logger="kvray.cpu_ext"):
+        assert CpuExtension(source, requires=("avx2", "avx512f")).load() is None
+    assert not caplog.text
+
+
 def test_build_all_covers_every_shipped_kernel() -> None:
     """`python -m kvray.cpu_ext` (run before the tests) builds every kernel kvray ships;
-    on an AVX-512 machine each is then available (the AMX one says whether it may run)."""
+    each is then available on a CPU with the instruction sets it requires (the AMX one
+    says whether it may run), and none is tried on a CPU without them."""
     built = cpu_ext.build_all()
     assert sorted(built) == sorted(p.name for p in cpu_ext.CSRC.glob("*.cpp"))
-    if cpu_ext.kernels_enabled() and cpu_ext.cpu_has_avx512():
-        assert all(built.values())
+    for module in cpu_ext.KERNEL_MODULES:
+        ext = importlib.import_module(module)._EXTENSION
+        runs_here = cpu_ext.kernels_enabled() and ext.requires <= cpu_ext.cpu_flags()
+        assert built[ext.source.name] == runs_here, ext.source.name
 
 
 @pytest.mark.skipif(not cpu_ext.kernels_enabled(), reason="kernels switched off")

@@ -14,14 +14,15 @@ BackendFactory = Callable[[MHAKVCache, int, int, float], AttentionBackend]
 ATTENTION_BACKENDS: Registry[BackendFactory] = Registry("attention backend")
 
 
-def _lazy(module: str, cls: str) -> BackendFactory:
+def _lazy(module: str, name: str) -> BackendFactory:
     """A factory that imports the backend's module only when one is built (flash-attn and
-    Triton are imported by their backends alone)."""
+    Triton are imported by their backends alone), then calls `name` there (a backend class,
+    or a function that picks one)."""
 
     def create(
         kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
     ) -> AttentionBackend:
-        backend: AttentionBackend = getattr(importlib.import_module(module), cls)(
+        backend: AttentionBackend = getattr(importlib.import_module(module), name)(
             kvcache, num_q_heads_local, head_dim, scale
         )
         return backend
@@ -29,19 +30,19 @@ def _lazy(module: str, cls: str) -> BackendFactory:
     return create
 
 
-for _name, (_module, _cls) in {
+for _name, (_module, _factory) in {
     "torch": ("kvray.attention.torch_backend", "TorchAttentionBackend"),
-    "cpu": ("kvray.attention.cpu_backend", "CpuAttentionBackend"),
+    "cpu": ("kvray.attention.cpu_backend", "create"),
     "triton": ("kvray.attention.triton_backend", "TritonAttentionBackend"),
     "flash_attn": ("kvray.attention.flash_attn_backend", "FlashAttnBackend"),
 }.items():
-    ATTENTION_BACKENDS.register(_name)(_lazy(_module, _cls))
+    ATTENTION_BACKENDS.register(_name)(_lazy(_module, _factory))
 
 
 def resolve_backend_name(name: str, kvcache: MHAKVCache, head_dim: int) -> str:
     """Resolve "auto". On CUDA: "flash_attn" when it is installed and the page size suits
     its paged kernel (a multiple of 256), else "triton" (else "torch" if Triton is
-    missing). On CPUs: "cpu" where its decode kernel serves the pool, else "torch". Other
+    missing). On CPUs: "cpu" where its kernels serve the pool, else "torch". Other
     names pass through unchanged."""
     if name != "auto":
         return name

@@ -8,7 +8,7 @@ import torch
 
 from kvray.cpu_ext import CSRC, CpuExtension
 
-_EXTENSION = CpuExtension(CSRC / "kv_store.cpp", requires_avx512=False)
+_EXTENSION = CpuExtension(CSRC / "kv_store.cpp", requires=())
 
 
 def store(

@@ -38,7 +38,7 @@ SYSFS_CPUS = Path("/sys/devices/system/cpu")
 LOCK_DIR = Path(tempfile.gettempdir()) / f"kvray-cpus-{os.getuid()}"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
-_EXTENSION = CpuExtension(CSRC / "omp_bind.cpp", requires_avx512=False)
+_EXTENSION = CpuExtension(CSRC / "omp_bind.cpp", requires=())
 
 
 def parse_cpu_list(text: str) -> list[int]:
