@@ -57,7 +57,7 @@ class PackableLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def pack_weights(self, keep_dense: bool = False, tiles: bool = False) -> bool:
-        """Pack the weight for this CPU if that helps (bf16 on oneDNN); returns whether it
+        """Pack the weight for this CPU if that helps (`packed.can_pack`); returns whether it
         did. `keep_dense` keeps the dense weight too (a tied embedding still needs it);
         `tiles` adds the AMX tile-layout copy for products of a few rows, where it can."""
         if self._packed is not None or not packed.can_pack(self.weight):

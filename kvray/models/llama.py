@@ -181,8 +181,9 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def pack_weights(self, small_batch: bool | None = None) -> int:
-        """Pack every linear weight for this CPU once loaded (see `kvray.models.packed`;
-        a no-op off bf16 CPUs). A tied LM head keeps its dense copy for the embedding.
+        """Pack every linear weight for this CPU once loaded (see `kvray.models.packed`:
+        bf16 where oneDNN's bf16 is fast, float32 where it is not, else a no-op). A tied LM
+        head keeps its dense copy for the embedding.
         `small_batch` adds each weight's AMX tile copy for products of a few rows; None:
         where those copies take at most SMALL_BATCH_AUTO_BYTES. Returns how many weights
         were packed."""

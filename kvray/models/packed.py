@@ -1,10 +1,20 @@
-"""Linear weights prepacked for oneDNN, for bfloat16 on CPUs.
+"""Linear weights prepacked for oneDNN on CPUs: bfloat16 where oneDNN has fast bfloat16
+kernels (AVX-512), float32 where it does not.
 
 `F.linear` on a CPU hands oneDNN a plain row-major weight, which it reorders into its
 blocked layout on every call. Packing once at load time skips that: about 8% of a 128-token
 bf16 decode step here. The packed product is bit-identical to `F.linear` in bfloat16 for any
-number of rows (checked in tests/test_packed_linear.py); float32 would not be (oneDNN picks
-another summation order), so float32, the correctness-oracle dtype, is never packed.
+number of rows (checked in tests/test_packed_linear.py).
+
+float32 `F.linear` runs on MKL, not oneDNN, so a packed float32 product is oneDNN's summation
+order, not `F.linear`'s: they differ in the last bits (as MKL's own products of 1-7 rows
+differ from its products of more), and token parity with Hugging Face is what the tests
+hold it to. Where AVX-512 gives bfloat16 (the dtype those machines serve in), float32 is
+left on `F.linear`. Where it does not (AVX2 only), float32 is the dtype `auto` serves in,
+and oneDNN's packed products were much faster there: on a 2-core AMD EPYC with AVX2, at 8 /
+32 / 128 rows, 2.3x / 1.6x / 1.5x MKL's for the embedded model's gate_up weight and 2.9x /
+2.3x / 1.5x for its LM head (49152 x 576), level at 256 rows. Each row's packed product
+there was also the same whatever the batch (MKL's changes below 8 rows).
 
 A packed weight is an opaque oneDNN tensor: it only feeds `packed_linear`.
 
@@ -54,17 +64,18 @@ _BATCH_HINT = 128
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `weight` would be packed: a bf16 CPU tensor, with oneDNN bf16 support,
-    unless KVRAY_CPU_KERNELS=0."""
-    return (
+    """Whether `weight` would be packed: a 2-D CPU tensor, unless KVRAY_CPU_KERNELS=0, in
+    bfloat16 where oneDNN has fast bfloat16 kernels, in float32 where it has not."""
+    if not (
         weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and kernels_enabled()
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    ):
+        return False
+    fast_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -73,9 +84,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def can_tile(weight: torch.Tensor) -> bool:
-    """Whether `weight` can get a tile-layout copy: packable, an input size that is a
-    multiple of 32, and a CPU (and OS) that gives this process the AMX tiles."""
-    if not can_pack(weight) or weight.shape[1] % 32 != 0:
+    """Whether `weight` can get a tile-layout copy: packable bfloat16, an input size that is
+    a multiple of 32, and a CPU (and OS) that gives this process the AMX tiles."""
+    if weight.dtype != torch.bfloat16 or not can_pack(weight) or weight.shape[1] % 32 != 0:
         return False
     mod = _EXTENSION.load()
     return mod is not None and bool(mod.available())
