@@ -4,6 +4,7 @@ causal attention."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -92,3 +93,63 @@ def run_step(backend, pool: Pool, reqs, q_all, k_all, v_all, layer: int) -> None
     tol = 1e-5 if q.dtype == torch.float32 else 3e-2
     assert out.shape == (q.shape[0], q.shape[1] * q.shape[2])
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def two_prompt_logits(model) -> torch.Tensor:
+    """A loaded model's logits for every position of two short prompts (11 and 7 tokens)
+    computed as one step over a fresh pool, through the `auto` attention backend."""
+    from kvray.attention import create_attention_backend
+
+    cfg = model.config
+    cache = create_kvcache_pool(
+        num_kv_heads=cfg.num_kv_heads,
+        num_layers=cfg.num_layers,
+        head_dim=cfg.head_dim,
+        num_pages=4,
+        page_size=16,
+        dtype=model.dtype,
+        device="cpu",
+        tp_size=1,
+    )
+    attn = create_attention_backend(
+        "auto", cache, model.num_q_heads_local, cfg.head_dim, model.attn_scale
+    )
+    table = torch.arange(64).reshape(2, 32)
+    ids = [list(range(3, 14)), list(range(40, 47))]
+    meta = AttnMetadata.build(table, [0, 1], [0, 0], [len(i) for i in ids], 64)
+    attn.prepare(meta)
+    flat = torch.tensor([t for i in ids for t in i])
+    return model(flat, meta.positions, attn, torch.arange(len(flat)))
+
+
+def scattered_requests(contexts, news, kv_heads, group, head_dim, page_size, dtype, seed):
+    """A pool whose pages are scattered, holding each request's context (cached prefix
+    `contexts[i]` + new tokens `news[i]`) in `dtype`; the step's queries for the new tokens;
+    and the `cpu_paged.Extends` describing them. Returns (q, k_pool, v_pool, each request's
+    slots, each request's first row in q, extends)."""
+    from kvray.attention import cpu_paged
+
+    gen = torch.Generator().manual_seed(seed)
+    totals = [c + n for c, n in zip(contexts, news, strict=True)]
+    pages_per = [-(-t // page_size) for t in totals]
+    num_pages = sum(pages_per) + 3
+    shape = (num_pages * page_size, kv_heads, head_dim)
+    k_pool = torch.randn(shape, generator=gen).to(dtype)
+    v_pool = torch.randn(shape, generator=gen).to(dtype)
+    free = torch.randperm(num_pages, generator=gen).tolist()
+    slots = []
+    for total, n in zip(totals, pages_per, strict=True):
+        pages = torch.tensor([free.pop() for _ in range(n)])
+        slots.append((pages[:, None] * page_size + torch.arange(page_size)).flatten()[:total])
+    T = sum(news)
+    # q as the model hands it over: a view into a wider projection (rows not contiguous)
+    qkv = torch.randn(T, (kv_heads * group + 2) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : kv_heads * group * head_dim].view(T, kv_heads * group, head_dim)
+    starts = [sum(news[:i]) for i in range(len(news))]
+    extends = cpu_paged.Extends(
+        slots=torch.cat(slots),
+        k_start=torch.tensor([0, *itertools.accumulate(totals)]),
+        q_start=torch.tensor(starts),
+        q_len=torch.tensor(news),
+    )
+    return q, k_pool, v_pool, slots, starts, extends

@@ -3,11 +3,10 @@ causal attention, where it can be built; and the "cpu" backend that runs it."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_checks import scattered_requests
 
 from kvray.attention import cpu_avx2, cpu_paged
 
@@ -17,32 +16,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _inputs(contexts, news, kv_heads, group, head_dim, page_size, dtype, seed):
-    """A pool whose pages are scattered, holding each request's cached prefix (`contexts`)
-    and new tokens (`news`); the step's queries, a view of a wider projection as the model
-    hands them over; and the `Extends` describing them."""
-    gen = torch.Generator().manual_seed(seed)
-    totals = [c + n for c, n in zip(contexts, news, strict=True)]
-    pages_per = [-(-t // page_size) for t in totals]
-    num_pages = sum(pages_per) + 3
-    shape = (num_pages * page_size, kv_heads, head_dim)
-    k_pool = torch.randn(shape, generator=gen).to(dtype)
-    v_pool = torch.randn(shape, generator=gen).to(dtype)
-    free = torch.randperm(num_pages, generator=gen).tolist()
-    slots = []
-    for total, n in zip(totals, pages_per, strict=True):
-        pages = torch.tensor([free.pop() for _ in range(n)])
-        slots.append((pages[:, None] * page_size + torch.arange(page_size)).flatten()[:total])
-    T = sum(news)
-    qkv = torch.randn(T, (kv_heads * group + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    q = qkv[:, : kv_heads * group * head_dim].view(T, kv_heads * group, head_dim)
-    starts = [sum(news[:i]) for i in range(len(news))]
-    requests = cpu_paged.Extends(
-        slots=torch.cat(slots),
-        k_start=torch.tensor([0, *itertools.accumulate(totals)]),
-        q_start=torch.tensor(starts),
-        q_len=torch.tensor(news),
-    )
-    return q, k_pool, v_pool, slots, starts, requests
+    return scattered_requests(contexts, news, kv_heads, group, head_dim, page_size, dtype, seed)
 
 
 def _reference(q, k_pool, v_pool, slots, context, scale):

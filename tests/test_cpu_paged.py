@@ -3,11 +3,10 @@ where they can be built and run."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_checks import scattered_requests
 
 from kvray.attention import cpu_paged
 
@@ -89,32 +88,9 @@ def test_padding_slots_past_the_length_are_never_read(dtype, tiles):
 
 
 def _extend_inputs(contexts, news, kv_heads, group, head_dim, page_size, seed):
-    """A scattered pool holding every request's context (cached prefix + new tokens), the
-    step's queries for the new tokens, and the `Extends` describing them."""
-    gen = torch.Generator().manual_seed(seed)
-    totals = [c + n for c, n in zip(contexts, news, strict=True)]
-    pages_per = [-(-t // page_size) for t in totals]
-    num_pages = sum(pages_per) + 3
-    shape = (num_pages * page_size, kv_heads, head_dim)
-    k_pool = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    v_pool = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    free = torch.randperm(num_pages, generator=gen).tolist()
-    slots = []
-    for total, n in zip(totals, pages_per, strict=True):
-        pages = torch.tensor([free.pop() for _ in range(n)])
-        slots.append((pages[:, None] * page_size + torch.arange(page_size)).flatten()[:total])
-    T = sum(news)
-    # q as the model hands it over: a view into a wider projection (rows not contiguous)
-    qkv = torch.randn(T, (kv_heads * group + 2) * head_dim, generator=gen).to(torch.bfloat16)
-    q = qkv[:, : kv_heads * group * head_dim].view(T, kv_heads * group, head_dim)
-    starts = [sum(news[:i]) for i in range(len(news))]
-    extends = cpu_paged.Extends(
-        slots=torch.cat(slots),
-        k_start=torch.tensor([0, *itertools.accumulate(totals)]),
-        q_start=torch.tensor(starts),
-        q_len=torch.tensor(news),
+    return scattered_requests(
+        contexts, news, kv_heads, group, head_dim, page_size, torch.bfloat16, seed
     )
-    return q, k_pool, v_pool, slots, starts, extends
 
 
 def _extend_or_skip(q, k_pool, v_pool, extends, scale, tiles=True):

@@ -41,32 +41,12 @@ def test_only_float32_is_packed_here(monkeypatch) -> None:
 
 
 def test_loaded_float32_model_packs_and_gives_close_logits(tmp_path, monkeypatch) -> None:
-    from kvray.attention import AttnMetadata, create_attention_backend
+    from attention_checks import two_prompt_logits as logits
+
     from kvray.bench.tiny import write_tiny_checkpoint
-    from kvray.kvcache import create_kvcache_pool
     from kvray.models import TPGroup, load_model
 
     write_tiny_checkpoint(tmp_path, "llama", num_hidden_layers=2, tie_word_embeddings=True)
-
-    def logits(model) -> torch.Tensor:
-        cfg = model.config
-        cache = create_kvcache_pool(
-            num_kv_heads=cfg.num_kv_heads,
-            num_layers=cfg.num_layers,
-            head_dim=cfg.head_dim,
-            num_pages=4,
-            page_size=16,
-            dtype=model.dtype,
-            device="cpu",
-            tp_size=1,
-        )
-        attn = create_attention_backend(
-            "auto", cache, model.num_q_heads_local, cfg.head_dim, model.attn_scale
-        )
-        meta = AttnMetadata.build(torch.arange(64).reshape(2, 32), [0, 1], [0, 0], [11, 7], 64)
-        attn.prepare(meta)
-        flat = torch.tensor([*range(3, 14), *range(40, 47)])
-        return model(flat, meta.positions, attn, torch.arange(len(flat)))
 
     model = load_model(tmp_path, TPGroup(), torch.float32, "cpu")
     layer = model.model.layers[0]

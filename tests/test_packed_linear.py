@@ -105,34 +105,12 @@ def test_only_bf16_cpu_weights_are_packed_where_bf16_is_fast(monkeypatch) -> Non
 def test_loaded_bf16_model_packs_and_gives_the_same_logits(tmp_path, monkeypatch, tied) -> None:
     """Loading in bf16 packs every linear weight (releasing the dense copy, except the tied
     embedding's) and the model's logits are exactly those of the unpacked model."""
-    from kvray.attention import AttnMetadata, create_attention_backend
+    from attention_checks import two_prompt_logits as logits
+
     from kvray.bench.tiny import write_tiny_checkpoint
-    from kvray.kvcache import create_kvcache_pool
     from kvray.models import TPGroup, load_model
 
     write_tiny_checkpoint(tmp_path, "qwen2", num_hidden_layers=2, tie_word_embeddings=tied)
-
-    def logits(model) -> torch.Tensor:
-        cfg = model.config
-        cache = create_kvcache_pool(
-            num_kv_heads=cfg.num_kv_heads,
-            num_layers=cfg.num_layers,
-            head_dim=cfg.head_dim,
-            num_pages=4,
-            page_size=16,
-            dtype=model.dtype,
-            device="cpu",
-            tp_size=1,
-        )
-        attn = create_attention_backend(
-            "auto", cache, model.num_q_heads_local, cfg.head_dim, model.attn_scale
-        )
-        table = torch.arange(64).reshape(2, 32)
-        ids = [list(range(3, 14)), list(range(40, 47))]
-        meta = AttnMetadata.build(table, [0, 1], [0, 0], [len(i) for i in ids], 64)
-        attn.prepare(meta)
-        flat = torch.tensor([t for i in ids for t in i])
-        return model(flat, meta.positions, attn, torch.arange(len(flat)))
 
     model = load_model(tmp_path, TPGroup(), torch.bfloat16, "cpu")
     layer = model.model.layers[0]

@@ -74,15 +74,5 @@ def paged_attend(
     scale: float,
     out: torch.Tensor,
 ) -> bool:
-    ran: bool = _module().paged_attend(
-        q,
-        k_flat,
-        v_flat,
-        requests.slots,
-        requests.k_start,
-        requests.q_start,
-        requests.q_len,
-        scale,
-        out,
-    )
+    ran: bool = _module().paged_attend(q, k_flat, v_flat, *requests.tensors(), scale, out)
     return ran

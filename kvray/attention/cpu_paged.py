@@ -82,6 +82,10 @@ class Extends:
     q_start: torch.Tensor  # int64 [E]
     q_len: torch.Tensor  # int64 [E]
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernels' arguments after q, k and v: slots, k_start, q_start, q_len."""
+        return self.slots, self.k_start, self.q_start, self.q_len
+
 
 def paged_extend(
     q: torch.Tensor,
@@ -92,16 +96,5 @@ def paged_extend(
     out: torch.Tensor,
     tiles: bool = True,
 ) -> bool:
-    ran: bool = _module().paged_extend(
-        q,
-        k_flat,
-        v_flat,
-        extends.slots,
-        extends.k_start,
-        extends.q_start,
-        extends.q_len,
-        scale,
-        out,
-        tiles,
-    )
+    ran: bool = _module().paged_extend(q, k_flat, v_flat, *extends.tensors(), scale, out, tiles)
     return ran
