@@ -270,6 +270,28 @@ def run_long_prompt_beside_decodes(itl_target_ms):
     return shapes, sched
 
 
+def test_budget_grows_with_the_queue_so_prompts_cannot_pile_up():
+    """Decodes that alone fill the target: one minimum chunk with up to 3 requests waiting
+    to start, one more for every second request waiting beyond, at most max_prefill_tokens;
+    a budget the target allows anyway is not cut."""
+    tight = budget_for(100.0, max_prefill=2048)
+    assert [tight.tokens(100, n) for n in (0, 1, 2, 3, 4, 5, 6, 9)] == [
+        128,
+        128,
+        128,
+        128,
+        256,
+        256,
+        384,
+        512,
+    ]
+    assert tight.tokens(100, 100) == 2048
+    assert tight.tokens(0, 100) == 2048  # nothing decoding: the full chunk anyway
+    roomy = budget_for(1e3, max_prefill=2048)  # (1000 - 10 - 2) / 0.5: 1976 tokens fit
+    assert roomy.tokens(1, 0) == roomy.tokens(1, 6) == 1968
+    assert budget_for(None).tokens(5, 9) == 512
+
+
 def test_prefill_budget_shrinks_while_decodes_run():
     target = 150.0
     shapes, sched = run_long_prompt_beside_decodes(target)
@@ -292,3 +314,39 @@ def test_without_a_target_the_long_prompt_takes_as_few_steps_as_full_chunks():
     shapes, _ = run_long_prompt_beside_decodes(None)
     mixed = [p for d, p in shapes[20:] if d and p]
     assert mixed == [400, 400, 400]  # 1,200 tokens under max_prefill_tokens 512: 3 steps
+
+
+def test_a_burst_of_prompts_beside_decodes_is_admitted_faster_than_one_chunk_a_step():
+    """8 requests decode under a target their decodes alone fill; 8 short prompts arrive at
+    once. The first step after takes 4 minimum chunks (8 waiting), not one, and every
+    output is still the reference."""
+    cfg = SchedulerConfig(
+        num_pages=512,
+        page_size=16,
+        max_running_reqs=16,
+        max_prefill_tokens=512,  # minimum chunk: 32 tokens
+        max_seq_len=2048,
+        itl_target_ms=10.0,  # 8 decodes alone take 24 ms
+    )
+    sched = Scheduler(cfg)
+    ex = HashChainExecutor(513 * 16, 16, sched.table.page_table.shape[1], VOCAB)
+    rng = random.Random(9)
+    prompts = {rid: [rng.randrange(1, VOCAB) for _ in range(20)] for rid in range(16)}
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    for rid in range(8):
+        sched.add_request(rid, prompts[rid], sp)
+    shapes, outs = [], {}
+    for step in range(300):
+        if step == 10:
+            for rid in range(8, 16):
+                sched.add_request(rid, prompts[rid], sp)
+        if not sched.has_work:
+            break
+        plan = sched.step()
+        shapes.append((int((plan.fill_lens == 0).sum()), int(plan.fill_lens.sum())))
+        for ev in sched.process_result(timed(ex.execute(plan), plan)):
+            outs.setdefault(ev.rid, []).append(ev.token_id)
+        sched.check_integrity()
+    assert shapes[10] == (8, 4 * 32), shapes[8:14]
+    for rid, p in prompts.items():
+        assert outs[rid] == reference_tokens(p, 30, VOCAB, frozenset()), rid

@@ -228,7 +228,10 @@ class Scheduler:
         ps = self.page_size
         decoding = self.num_decoding
         adder = PrefillAdder(
-            self.cache, self.table, self.budget.tokens(decoding), even_chunks=decoding > 0
+            self.cache,
+            self.table,
+            self.budget.tokens(decoding, len(self.waiting)),
+            even_chunks=decoding > 0,
         )
         batch: list[tuple[Req, int, bool]] = []  # (request, tokens, is_prefill)
         drafts: dict[int, list[int]] = {}  # drafting request -> its draft tokens
