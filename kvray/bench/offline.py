@@ -37,7 +37,14 @@ import torch
 from tqdm import tqdm
 
 from kvray.attention import backend_names
-from kvray.bench.report import machine_info, print_table, write_bars, write_json
+from kvray.bench.report import (
+    DTYPE_HELP,
+    default_dtype,
+    machine_info,
+    print_table,
+    write_bars,
+    write_json,
+)
 from kvray.bench.tiny import write_random_checkpoint
 from kvray.config import EngineConfig
 
@@ -241,7 +248,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         metavar="SPEC",
         help="benchmark random weights of this shape instead: a preset or a config.json",
     )
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument(
+        "--dtype",
+        default=default_dtype(),
+        choices=["bfloat16", "float16", "float32"],
+        help=DTYPE_HELP,
+    )
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--attention-backend", default="auto", choices=backend_names())
     ap.add_argument(

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvray.bench import servers
-from kvray.bench.report import machine_info, print_table, write_json
+from kvray.bench.report import DTYPE_HELP, default_dtype, machine_info, print_table, write_json
 
 
 def _workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -148,7 +148,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         formatter_class=argparse.RawTextHelpFormatter,
     )
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument(
+        "--dtype",
+        default=default_dtype(),
+        choices=["bfloat16", "float16", "float32"],
+        help=DTYPE_HELP,
+    )
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)

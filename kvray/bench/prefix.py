@@ -36,7 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from kvray.bench.report import machine_info, print_table, write_bars, write_json
+from kvray.bench.report import (
+    DTYPE_HELP,
+    default_dtype,
+    machine_info,
+    print_table,
+    write_bars,
+    write_json,
+)
 from kvray.core import SamplingParams
 
 POLICIES = ("radix", "naive")
@@ -322,7 +329,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
     ap.add_argument(
-        "--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"]
+        "--dtype",
+        default=default_dtype(),
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help=DTYPE_HELP,
     )
     ap.add_argument("--page-size", type=int, default=defaults["page_size"].default)
     ap.add_argument(

@@ -11,6 +11,21 @@ from pathlib import Path
 from typing import Any
 
 
+def default_dtype() -> str:
+    """The benches' dtype unless told: bfloat16 on a GPU or a CPU with fast bfloat16
+    matmuls, else float32 (what `dtype="auto"` serves there: on an AVX2-only CPU bfloat16
+    runs on a reference path several times slower)."""
+    import torch
+
+    from kvray.cluster.spec import cpu_has_fast_bfloat16
+
+    fast = torch.cuda.is_available() or cpu_has_fast_bfloat16()
+    return "bfloat16" if fast else "float32"
+
+
+DTYPE_HELP = "default: bfloat16 on a GPU or a CPU with fast bfloat16, else float32"
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 

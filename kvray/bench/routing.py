@@ -38,7 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from kvray.bench.report import machine_info, print_table, write_bars, write_json
+from kvray.bench.report import (
+    DTYPE_HELP,
+    default_dtype,
+    machine_info,
+    print_table,
+    write_bars,
+    write_json,
+)
 from kvray.core import SamplingParams
 from kvray.deploy.router import EngineFollowingRouter, token_ids
 
@@ -380,7 +387,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: embedded SmolLM2)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument(
+        "--dtype", default=default_dtype(), choices=["float32", "bfloat16"], help=DTYPE_HELP
+    )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages per engine")
     ap.add_argument("--json", default=None, help="write the report here (and a .png plot)")

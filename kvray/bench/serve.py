@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from kvray.bench.report import print_table, write_bars, write_json
+from kvray.bench.report import DTYPE_HELP, default_dtype, print_table, write_bars, write_json
 
 PERCENTILES = (50, 90, 99)
 
@@ -483,7 +483,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--checkpoint", default=None, help="with --start: HF checkpoint dir (default: embedded)"
     )
     ap.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="--start"
+        "--dtype",
+        default=default_dtype(),
+        choices=["bfloat16", "float16", "float32"],
+        help=f"--start ({DTYPE_HELP})",
     )
     ap.add_argument(
         "--vllm-python",

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kvray.bench.report import machine_info, print_table, write_json
+from kvray.bench.report import DTYPE_HELP, default_dtype, machine_info, print_table, write_json
 
 SCHEMA: dict[str, Any] = {
     "type": "array",
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         formatter_class=argparse.RawTextHelpFormatter,
     )
     ap.add_argument("--model", default=None, help="checkpoint dir (default: embedded SmolLM2)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=default_dtype(), help=DTYPE_HELP)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=24, help="decode steps per batch")
