@@ -233,6 +233,24 @@ def timed(result: StepResult, plan: StepPlan, coef=TRUE_MS) -> StepResult:
     return dataclasses.replace(result, compute_s=ms / 1e3)
 
 
+def run_steps(sched, ex, steps, arrivals):
+    """Steps `sched` on `ex` (timed by TRUE_MS) until it has no work, adding the requests
+    `arrivals[step]` = [(rid, prompt, params)] before that step. Returns [(decodes, prefill
+    tokens)] per step and each request's tokens."""
+    shapes, outs = [], {}
+    for step in range(steps):
+        for rid, prompt, sp in arrivals.get(step, ()):
+            sched.add_request(rid, prompt, sp)
+        if not sched.has_work:
+            break
+        plan = sched.step()
+        shapes.append((int((plan.fill_lens == 0).sum()), int(plan.fill_lens.sum())))
+        for ev in sched.process_result(timed(ex.execute(plan), plan)):
+            outs.setdefault(ev.rid, []).append(ev.token_id)
+        sched.check_integrity()
+    return shapes, outs
+
+
 def run_long_prompt_beside_decodes(itl_target_ms):
     """8 requests decode; a 1,200-token prompt arrives. Returns [(decodes, prefill tokens)]
     per step and the outputs (which must be the reference tokens)."""
@@ -252,18 +270,9 @@ def run_long_prompt_beside_decodes(itl_target_ms):
     sp = SamplingParams(max_tokens=60, ignore_eos=True)
     for rid, p in prompts.items():
         sched.add_request(rid, p, sp)
-    shapes, outs = [], {}
-    for step in range(200):
-        if step == 20:
-            prompts[8] = long_prompt
-            sched.add_request(8, long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-        if not sched.has_work:
-            break
-        plan = sched.step()
-        shapes.append((int((plan.fill_lens == 0).sum()), int(plan.fill_lens.sum())))
-        for ev in sched.process_result(timed(ex.execute(plan), plan)):
-            outs.setdefault(ev.rid, []).append(ev.token_id)
-        sched.check_integrity()
+    prompts[8] = long_prompt
+    arrivals = {20: [(8, long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))]}
+    shapes, outs = run_steps(sched, ex, 200, arrivals)
     for rid, p in prompts.items():
         want = reference_tokens(p, 4 if rid == 8 else 60, VOCAB, frozenset())
         assert outs[rid] == want, rid
@@ -335,18 +344,9 @@ def test_a_burst_of_prompts_beside_decodes_is_admitted_faster_than_one_chunk_a_s
     sp = SamplingParams(max_tokens=30, ignore_eos=True)
     for rid in range(8):
         sched.add_request(rid, prompts[rid], sp)
-    shapes, outs = [], {}
-    for step in range(300):
-        if step == 10:
-            for rid in range(8, 16):
-                sched.add_request(rid, prompts[rid], sp)
-        if not sched.has_work:
-            break
-        plan = sched.step()
-        shapes.append((int((plan.fill_lens == 0).sum()), int(plan.fill_lens.sum())))
-        for ev in sched.process_result(timed(ex.execute(plan), plan)):
-            outs.setdefault(ev.rid, []).append(ev.token_id)
-        sched.check_integrity()
+    shapes, outs = run_steps(
+        sched, ex, 300, {10: [(rid, prompts[rid], sp) for rid in range(8, 16)]}
+    )
     assert shapes[10] == (8, 4 * 32), shapes[8:14]
     for rid, p in prompts.items():
         assert outs[rid] == reference_tokens(p, 30, VOCAB, frozenset()), rid
