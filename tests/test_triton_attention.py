@@ -17,7 +17,7 @@ import torch
 from attention_checks import HEAD_DIM, MIXED, Pool, run_step
 from engine_checks import new_llm, tiny_batched_then_one_by_one
 
-from kvray.attention import create_attention_backend, resolve_backend_name, triton_ops
+from kvray.attention import cpu_backend, create_attention_backend, resolve_backend_name, triton_ops
 from kvray.attention.triton_backend import TritonAttentionBackend, decode_splits
 
 
@@ -108,7 +108,10 @@ def test_reads_only_each_requests_context(page_size: int) -> None:
 
 def test_backend_choice_and_guards(monkeypatch) -> None:
     pool = Pool(16, 2, torch.float32, seed=0)
-    assert resolve_backend_name("auto", pool.cache, HEAD_DIM) == "torch"  # a CPU pool
+    # A CPU pool: kvray's CPU kernels where they serve it (the AVX2 one takes head_dim 8),
+    # else torch; never Triton.
+    on_cpu = "cpu" if cpu_backend.supports(pool.cache, HEAD_DIM) else "torch"
+    assert resolve_backend_name("auto", pool.cache, HEAD_DIM) == on_cpu
     # An H200 has 132 multiprocessors: a lone decode is cut into the most pieces, a batch
     # that fills the device into none.
     splits = [decode_splits(n, 8, 132) for n in (1, 2, 4, 16, 64, 256)]
