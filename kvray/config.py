@@ -124,8 +124,8 @@ class EngineConfig(BaseModel):
         description="inter-token-latency target: a step with running decodes computes only as "
         "many prompt tokens as fit in this many ms by a step-time model learned online (but "
         "at least a sixteenth of max_prefill_tokens, so prompts keep advancing when the decodes "
-        "alone fill the target, and another sixteenth for every second request waiting to "
-        "start, so a queue cannot grow without bound); None: every step computes up to "
+        "alone fill the target, or a sixteenth for every two requests waiting to start "
+        "when that is more, so a queue cannot grow without bound); None: every step computes up to "
         "max_prefill_tokens",
     )
     max_seq_len: int | None = Field(

@@ -29,8 +29,8 @@ class ServeConfig(EngineConfig):
         default=250.0,
         description="inter-token-latency target, on for a server: a step with running "
         "decodes computes only as many prompt tokens as fit in this many ms by a step-time "
-        "model learned online (but at least a sixteenth of max_prefill_tokens, and another "
-        "sixteenth for every second request waiting to start). 250 ms keeps "
+        "model learned online (but at least a sixteenth of max_prefill_tokens, or a "
+        "sixteenth for every two requests waiting to start when that is more). 250 ms keeps "
         "streams near 4 tokens/s while a long prompt prefills (a whole 2,048-token chunk "
         "takes ~1.7 s on a small CPU) and rarely binds on a GPU, where a full chunk usually "
         "takes less; unset (null): off, every step computes up to max_prefill_tokens",

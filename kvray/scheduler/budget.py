@@ -8,9 +8,10 @@ model says fit in the target (planning one standard deviation on the slow side),
 whole pages, at most `max_prefill_tokens` and at least `min_chunk`: a sixteenth of it,
 so that when the decodes alone (nearly) fill the target, new requests are not starved (a
 whole chunk still goes through in 16 steps; each then overruns the target by the cost of
-that slice, never by a model's error), and one more such chunk for every second request
-waiting to start, so that prompts arriving faster than one chunk a step admits them do not
-queue without bound.
+that slice, never by a model's error), or one such chunk for every two requests waiting
+to start (that the table has rows for) when that is more, so that prompts arriving faster
+than one chunk a step admits them do not queue without bound (with a long queue the
+target gives way: up to a full chunk a step).
 A step without decodes delays nobody's next token and keeps the full `max_prefill_tokens`.
 
 The cost model is linear in what a step computes, learned online from the step times

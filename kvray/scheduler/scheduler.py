@@ -230,7 +230,8 @@ class Scheduler:
         adder = PrefillAdder(
             self.cache,
             self.table,
-            self.budget.tokens(decoding, len(self.waiting)),
+            # waiting requests this step could start: no more than the table has rows for
+            self.budget.tokens(decoding, min(len(self.waiting), self.table.available_rows)),
             even_chunks=decoding > 0,
         )
         batch: list[tuple[Req, int, bool]] = []  # (request, tokens, is_prefill)
