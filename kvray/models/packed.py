@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from kvray.cpu_ext import CSRC, CpuExtension, kernels_enabled
+from kvray.cpu_ext import CSRC, CpuExtension, cpu_flags, kernels_enabled
 from kvray.models import fused
 
 _EXTENSION = CpuExtension(CSRC / "amx_linear.cpp")
@@ -65,7 +65,8 @@ _BATCH_HINT = 128
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether `weight` would be packed: a 2-D CPU tensor, unless KVRAY_CPU_KERNELS=0, in
-    bfloat16 where oneDNN has fast bfloat16 kernels, in float32 where it has not."""
+    bfloat16 where oneDNN has fast bfloat16 kernels, in float32 where it has not and the
+    CPU has AVX2."""
     if not (
         weight.device.type == "cpu"
         and weight.dim() == 2
@@ -74,8 +75,10 @@ def can_pack(weight: torch.Tensor) -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     ):
         return False
-    fast_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return weight.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
+    if bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return weight.dtype == torch.bfloat16
+    # float32 on x86 with AVX2 (measured there); other CPUs keep F.linear
+    return weight.dtype == torch.float32 and "avx2" in cpu_flags()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
