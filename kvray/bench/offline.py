@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument(
         "--dtype",
-        default=default_dtype(),
+        default=None,
         choices=["bfloat16", "float16", "float32"],
         help=DTYPE_HELP,
     )
@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    args.dtype = args.dtype or default_dtype(args.device)
     if args.num_requests < 1:
         ap.error("--num-requests must be at least 1")
     for flag, (low, high) in (("--input-len", args.input_len), ("--output-len", args.output_len)):

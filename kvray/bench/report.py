@@ -11,16 +11,15 @@ from pathlib import Path
 from typing import Any
 
 
-def default_dtype() -> str:
-    """The benches' dtype unless told: bfloat16 on a GPU or a CPU with fast bfloat16
-    matmuls, else float32 (what `dtype="auto"` serves there: on an AVX2-only CPU bfloat16
-    runs on a reference path several times slower)."""
-    import torch
+def default_dtype(device: str = "auto") -> str:
+    """The benches' dtype unless told, for `device` (auto, cpu or cuda): bfloat16 on a GPU
+    or a CPU with fast bfloat16 matmuls, else float32 (what `dtype="auto"` serves there: on
+    an AVX2-only CPU bfloat16 runs on a reference path several times slower)."""
 
-    from kvray.cluster.spec import cpu_has_fast_bfloat16
+    from kvray.cluster.spec import cpu_has_fast_bfloat16, resolve_device
 
-    fast = torch.cuda.is_available() or cpu_has_fast_bfloat16()
-    return "bfloat16" if fast else "float32"
+    gpu = resolve_device(device) == "cuda"
+    return "bfloat16" if gpu or cpu_has_fast_bfloat16() else "float32"
 
 
 DTYPE_HELP = "default: bfloat16 on a GPU or a CPU with fast bfloat16, else float32"

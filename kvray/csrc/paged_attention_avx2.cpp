@@ -248,7 +248,10 @@ bool paged_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   TORCH_CHECK(slots.is_contiguous() && kstart.is_contiguous() && qstart.is_contiguous() &&
               lq.is_contiguous());
   const auto dt = q.scalar_type();
-  const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
+  const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1), E = qstart.size(0);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D && out.sizes() == q.sizes(),
+              "k/v [slots,Hkv,D] alike, out like q");
+  TORCH_CHECK(kstart.numel() == E + 1 && lq.numel() == E, "kstart [E+1], qstart/lq [E]");
   if ((dt != torch::kFloat32 && dt != torch::kBFloat16) || k.scalar_type() != dt ||
       v.scalar_type() != dt || out.scalar_type() != dt || D % 8 || D > MAX_D || Hq % Hkv ||
       Hq / Hkv > MAX_G || q.stride(2) != 1 || out.stride(2) != 1 || !k.is_contiguous() ||
@@ -258,7 +261,6 @@ bool paged_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
                  Hq / Hkv,    Hkv * D,       q.stride(0),
                  q.stride(1), out.stride(0), out.stride(1),
                  float(scale)};
-  const int64_t E = qstart.size(0);
   if (dt == torch::kFloat32) {
     attend_all(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
                slots.data_ptr<int64_t>(), kstart.data_ptr<int64_t>(), qstart.data_ptr<int64_t>(),
