@@ -7,9 +7,9 @@ it, its flags, the torch version and the CPU it is compiled for (`-march=native`
 source or header, or another CPU, is a new build, never a stale or illegal binary, and
 later processes only load what torch cached under ~/.cache/torch_extensions (or
 TORCH_EXTENSIONS_DIR).
-Where it cannot be built (a CPU without the instruction sets its kernels need, no compiler or
-ninja) or
-`KVRAY_CPU_KERNELS=0` is set, `load()` returns None and callers keep to their plain path.
+Where it cannot be built (a CPU without the instruction sets its kernels need, no compiler
+or ninja) or `KVRAY_CPU_KERNELS=0` is set, `load()` returns None and callers keep to their
+plain path.
 
 torch serialises builds with a `lock` file in the build directory, and every load (an
 up-to-date one too) waits for it to go away: a process killed while it compiled (Ctrl-C on
@@ -142,6 +142,13 @@ class CpuExtension:
 
     def available(self) -> bool:
         return self.load() is not None
+
+    def require(self) -> Any:
+        """The compiled module; RuntimeError where it cannot be built or is turned off."""
+        mod = self.load()
+        if mod is None:
+            raise RuntimeError(f"kvray's {self.source.name} kernels are not available here")
+        return mod
 
     def build_dir(self, name: str | None = None) -> Path:
         """Where torch builds and caches this module (TORCH_EXTENSIONS_DIR or its default);

@@ -30,8 +30,6 @@ KVRAY_CPU_KERNELS=0): callers then use the torch path.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvray.attention.cpu_paged import Extends
@@ -59,13 +57,6 @@ def serves(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: in
     )
 
 
-def _module() -> Any:
-    mod = _EXTENSION.load()
-    if mod is None:
-        raise RuntimeError("the AVX2 attention kernel is not available on this machine")
-    return mod
-
-
 def paged_attend(
     q: torch.Tensor,
     k_flat: torch.Tensor,
@@ -74,5 +65,7 @@ def paged_attend(
     scale: float,
     out: torch.Tensor,
 ) -> bool:
-    ran: bool = _module().paged_attend(q, k_flat, v_flat, *requests.tensors(), scale, out)
+    ran: bool = _EXTENSION.require().paged_attend(
+        q, k_flat, v_flat, *requests.tensors(), scale, out
+    )
     return ran

@@ -39,7 +39,6 @@ callers then use the torch path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -52,13 +51,6 @@ def available() -> bool:
     return _EXTENSION.available()
 
 
-def _module() -> Any:
-    mod = _EXTENSION.load()
-    if mod is None:
-        raise RuntimeError("the CPU attention kernels are not available on this machine")
-    return mod
-
-
 def paged_decode(
     q: torch.Tensor,
     k_flat: torch.Tensor,
@@ -68,7 +60,7 @@ def paged_decode(
     scale: float,
     tiles: bool = True,
 ) -> torch.Tensor:
-    return _module().paged_decode(q, k_flat, v_flat, page_table, seq_lens, scale, tiles)
+    return _EXTENSION.require().paged_decode(q, k_flat, v_flat, page_table, seq_lens, scale, tiles)
 
 
 @dataclass(frozen=True)
@@ -96,5 +88,7 @@ def paged_extend(
     out: torch.Tensor,
     tiles: bool = True,
 ) -> bool:
-    ran: bool = _module().paged_extend(q, k_flat, v_flat, *extends.tensors(), scale, out, tiles)
+    ran: bool = _EXTENSION.require().paged_extend(
+        q, k_flat, v_flat, *extends.tensors(), scale, out, tiles
+    )
     return ran
