@@ -29,6 +29,20 @@ def supports(kvcache: MHAKVCache, head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= cpu_avx2.MAX_HEAD_DIM and cpu_avx2.available()
 
 
+def _requests(meta: AttnMetadata, batch: Tensor | slice = slice(None)) -> cpu_paged.Extends:
+    """The kernels' view of the requests at batch indices `batch` (all by default): their
+    query rows, and each one's context slots, concatenated (read by every layer of the
+    step)."""
+    lens_k = meta.seq_lens_k[batch].long()
+    in_context = torch.arange(meta.page_table.shape[1]) < lens_k[:, None]
+    return cpu_paged.Extends(
+        slots=meta.page_table[batch][in_context].contiguous(),
+        k_start=torch.cat([lens_k.new_zeros(1), lens_k.cumsum(0)]),
+        q_start=meta.cu_seqlens_q[:-1][batch].long(),
+        q_len=meta.seq_lens_q[batch].long(),
+    )
+
+
 def create(
     kvcache: MHAKVCache, num_q_heads_local: int, head_dim: int, scale: float
 ) -> AttentionBackend:
@@ -62,15 +76,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._paged_extends = None
         if extends.numel() == 0 or not self._extend_kernel:
             return super().prepare_extends(meta, extends)
-        lens_k = meta.seq_lens_k[extends].long()
-        # Each extend's context slots, concatenated (read by every layer of the step).
-        in_context = torch.arange(meta.page_table.shape[1]) < lens_k[:, None]
-        self._paged_extends = cpu_paged.Extends(
-            slots=meta.page_table[extends][in_context].contiguous(),
-            k_start=torch.cat([lens_k.new_zeros(1), lens_k.cumsum(0)]),
-            q_start=meta.cu_seqlens_q[extends].long(),
-            q_len=meta.seq_lens_q[extends].long(),
-        )
+        self._paged_extends = _requests(meta, extends)
         return []
 
     def prepare_decodes(self, meta: AttnMetadata, decodes: Tensor) -> Decodes:
@@ -117,14 +123,7 @@ class Avx2AttentionBackend(TorchAttentionBackend):
             super().prepare(meta)
             return
         self.meta = meta
-        lens_k = meta.seq_lens_k.long()
-        in_context = torch.arange(meta.page_table.shape[1]) < lens_k[:, None]
-        self._requests = cpu_paged.Extends(
-            slots=meta.page_table[in_context].contiguous(),
-            k_start=torch.cat([lens_k.new_zeros(1), lens_k.cumsum(0)]),
-            q_start=meta.cu_seqlens_q[:-1].long(),
-            q_len=meta.seq_lens_q.long(),
-        )
+        self._requests = _requests(meta)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, layer_id: int, meta: AttnMetadata) -> Tensor:
         if not self._kernel or self._requests is None:
