@@ -330,7 +330,7 @@ class SchedulerActor:
             # Cached-but-evictable pages count as free, as in vLLM.
             "kv_cache_usage": 1.0 - s.cache.available_pages / s.config.num_pages,
             # The prefill budget of the next step and the step-time model behind it.
-            **s.budget.info(s.num_decoding, min(len(s.waiting), s.table.available_rows)),
+            **s.budget.info(s.num_decoding, s.num_startable),
             "recoveries": self.core.recoveries,
             "max_inflight_steps": self.max_inflight,
             "pinned_cpus": self.core.executor.pinned_cpus(),

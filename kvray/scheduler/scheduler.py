@@ -221,6 +221,12 @@ class Scheduler:
         some, so the prefill budget computed from this errs on the short side)."""
         return sum(1 for r in self.running if not r.prefilling and r.device_len < r.max_device_len)
 
+    @property
+    def num_startable(self) -> int:
+        """Waiting requests the next step could start: no more than the table has rows for
+        (what the prefill budget's queue floor counts)."""
+        return min(len(self.waiting), self.table.available_rows)
+
     # -- one step -----------------------------------------------------------------------------
 
     def step(self) -> StepPlan | None:
@@ -230,8 +236,7 @@ class Scheduler:
         adder = PrefillAdder(
             self.cache,
             self.table,
-            # waiting requests this step could start: no more than the table has rows for
-            self.budget.tokens(decoding, min(len(self.waiting), self.table.available_rows)),
+            self.budget.tokens(decoding, self.num_startable),
             even_chunks=decoding > 0,
         )
         batch: list[tuple[Req, int, bool]] = []  # (request, tokens, is_prefill)
