@@ -12,14 +12,15 @@ from typing import Any
 
 
 def default_dtype(device: str = "auto") -> str:
-    """The benches' dtype unless told, for `device` (auto, cpu or cuda): bfloat16 on a GPU
-    or a CPU with fast bfloat16 matmuls, else float32 (what `dtype="auto"` serves there: on
-    an AVX2-only CPU bfloat16 runs on a reference path several times slower)."""
+    """The benches' dtype unless told, for `device` (auto, cpu or cuda): what `dtype="auto"`
+    serves a float32 checkpoint in there, bfloat16 on a GPU or a CPU with fast bfloat16
+    matmuls, else float32 (on an AVX2-only CPU bfloat16 runs on a reference path several
+    times slower)."""
+    import torch
 
-    from kvray.cluster.spec import cpu_has_fast_bfloat16, resolve_device
+    from kvray.cluster.spec import resolve_device, resolve_dtype
 
-    gpu = resolve_device(device) == "cuda"
-    return "bfloat16" if gpu or cpu_has_fast_bfloat16() else "float32"
+    return resolve_dtype("auto", torch.float32, resolve_device(device))
 
 
 DTYPE_HELP = "default: bfloat16 on a GPU or a CPU with fast bfloat16, else float32"
