@@ -15,10 +15,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _inputs(contexts, news, kv_heads, group, head_dim, page_size, dtype, seed):
-    return scattered_requests(contexts, news, kv_heads, group, head_dim, page_size, dtype, seed)
-
-
 def _reference(q, k_pool, v_pool, slots, context, scale):
     """Dense causal attention in float32 of `q` (the last len(q) positions of a context)."""
     total = len(slots)
@@ -53,7 +49,7 @@ def _reference(q, k_pool, v_pool, slots, context, scale):
 def test_every_request_matches_dense_causal_attention(
     dtype, tol, contexts, news, kv_heads, group, head_dim, page_size
 ):
-    q, k_pool, v_pool, slots, starts, requests = _inputs(
+    q, k_pool, v_pool, slots, starts, requests = scattered_requests(
         contexts, news, kv_heads, group, head_dim, page_size, dtype, seed=sum(news) + head_dim
     )
     scale = head_dim**-0.5
@@ -66,7 +62,7 @@ def test_every_request_matches_dense_causal_attention(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_slot_past_a_context_is_read_and_only_its_rows_are_written(dtype):
-    q, k_pool, v_pool, slots, starts, requests = _inputs(
+    q, k_pool, v_pool, slots, starts, requests = scattered_requests(
         [3, 0, 17], [30, 9, 1], 2, 2, 64, 16, dtype, seed=7
     )
     used = torch.zeros(k_pool.shape[0], dtype=torch.bool)
@@ -85,7 +81,9 @@ def test_no_slot_past_a_context_is_read_and_only_its_rows_are_written(dtype):
 
 
 def test_what_it_cannot_serve_is_declined_not_computed():
-    q, k_pool, v_pool, _, _, requests = _inputs([4], [2], 1, 2, 64, 16, torch.float32, seed=1)
+    q, k_pool, v_pool, _, _, requests = scattered_requests(
+        [4], [2], 1, 2, 64, 16, torch.float32, seed=1
+    )
     out = torch.full(q.shape, 7.0)
     half = [t.to(torch.float16) for t in (q, k_pool, v_pool, out)]
     assert not cpu_avx2.paged_attend(*half[:3], requests, 0.125, half[3])
