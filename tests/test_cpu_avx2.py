@@ -44,6 +44,9 @@ def _reference(q, k_pool, v_pool, slots, context, scale):
         ([9, 3], [40, 1], 1, 2, 256, 4),
         ([31, 0], [2, 33], 2, 5, 40, 16),  # a head_dim that is a multiple of 8, not of 16
         ([63], [3], 1, 16, 8, 16),  # the largest group, the smallest head
+        # enough query blocks for a task to take several KV heads: as many as its rows allow
+        ([0, 5], [200, 140], 2, 16, 32, 16),  # both heads, every row a task holds
+        ([0], [150], 6, 8, 16, 16),  # half the heads (the largest divisor that fits)
     ],
 )
 def test_every_request_matches_dense_causal_attention(

@@ -8,8 +8,9 @@ one call, a decode (one query) and an extend (a prompt, a chunk of one, a suffix
 cached prefix, the positions a speculative step checks) alike: each request's queries over
 its whole context, causally. Flash-style: blocks of 32 keys, an online softmax in float32,
 products summed in float32; a bfloat16 pool is widened on load and the output rounded to
-nearest even. Each task is one request's block of 16 query positions for one KV head, with
-every query head of that head's group, so K/V are read once per block for the whole group.
+nearest even. Each task is one request's block of 16 query positions for one KV head (all
+of them when there are tasks enough for the threads), with every query head of each head's
+group, so K/V are read once per block for the whole group.
     q          [T, Hq, D] float32 or bfloat16 (head_dim contiguous; its rows may be a view of
                a wider projection)
     k_flat     [slots, Hkv, D] the layer's K pool (q's dtype, contiguous); v_flat likewise
