@@ -74,9 +74,11 @@ def cpu_identity() -> str:
     return "\n".join(f"{k}={v}" for k, v in sorted(fields.items()))
 
 
-# The modules of kvray's kernels, each holding its CpuExtension as `_EXTENSION`.
+# Where kvray's kernels are: a module holding a CpuExtension as `_EXTENSION`, or
+# "module:attribute" for another one.
 KERNEL_MODULES = (
     "kvray.models.fused",
+    "kvray.models.fused:AVX2_EXTENSION",
     "kvray.models.packed",
     "kvray.attention.cpu_paged",
     "kvray.attention.cpu_avx2",
@@ -88,20 +90,27 @@ KERNEL_MODULES = (
 class CpuExtension:
     """One C++ source file (in `kvray/csrc`), built at most once per process (thread-safe),
     on CPUs with every instruction set of `requires` (cpuinfo's flag names; AVX-512 unless
-    told otherwise)."""
+    told otherwise) and none of `excludes` (where another build of the same kernels serves)."""
 
     def __init__(
         self,
         source: Path,
         extra_cflags: Sequence[str] = (),
         requires: Sequence[str] = ("avx512f",),
+        excludes: Sequence[str] = (),
     ) -> None:
         self.source = source
         self.extra_cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
         self.requires = frozenset(requires)
+        self.excludes = frozenset(excludes)
         self._lock = threading.Lock()
         self._module: Any = None
         self._tried = False
+
+    def suits_cpu(self) -> bool:
+        """Whether this CPU has every set the kernels require and none they exclude."""
+        flags = cpu_flags()
+        return self.requires <= flags and not self.excludes & flags
 
     def build_name(self) -> str:
         """The module's name: the file's stem and a hash of what the binary depends on."""
@@ -123,7 +132,7 @@ class CpuExtension:
         with self._lock:
             if self._tried:
                 return self._module
-            if kernels_enabled() and self.requires <= cpu_flags():
+            if kernels_enabled() and self.suits_cpu():
                 try:
                     from torch.utils.cpp_extension import load
 
@@ -168,10 +177,17 @@ class CpuExtension:
             lock.unlink(missing_ok=True)
 
 
-def _build(module: str) -> tuple[str, bool]:
+def extension(where: str) -> CpuExtension:
+    """The CpuExtension a KERNEL_MODULES entry names."""
     import importlib
 
-    ext: CpuExtension = importlib.import_module(module)._EXTENSION
+    module, _, attribute = where.partition(":")
+    ext: CpuExtension = getattr(importlib.import_module(module), attribute or "_EXTENSION")
+    return ext
+
+
+def _build(where: str) -> tuple[str, bool]:
+    ext = extension(where)
     return ext.source.name, ext.available()
 
 

@@ -17,10 +17,17 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 @pytest.fixture(params=["kernel", "fallback"])
 def path(request, monkeypatch) -> str:
-    """Run the test on the C++ kernel, then on the torch fallback."""
+    """Run the test on the C++ kernel, then on the torch fallback. The kernel run is skipped
+    where no kernel serves the test's dtype (its `dtype` parameter, else bfloat16): the
+    AVX2 build serves float32 only."""
     if request.param == "kernel":
         if not fused.available():
-            pytest.skip("no fused CPU kernel here (no compiler or AVX-512, or KVRAY_CPU_KERNELS=0)")
+            pytest.skip("no fused CPU kernel here (no compiler or AVX2, or KVRAY_CPU_KERNELS=0)")
+        dtype = (
+            request.getfixturevalue("dtype") if "dtype" in request.fixturenames else torch.bfloat16
+        )
+        if dtype not in fused.kernel_dtypes():
+            pytest.skip(f"the fused CPU kernel here does not serve {dtype}")
     else:
         monkeypatch.setattr(fused, "_mod", lambda: None)
     return request.param
@@ -132,24 +139,33 @@ def test_rotary_random_angles(path: str) -> None:
     assert_same(fused.rotary(x, cos, sin), want)
 
 
-def test_bfloat16_special_values(path: str) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values(path: str, dtype: torch.dtype) -> None:
     """Rounding where torch rounds holds for denormal results, infinities and NaNs too."""
-    tiny = torch.tensor([1e-39, -3e-39, 5e-38, 1e-30], dtype=torch.bfloat16)  # denormals
+    tiny = torch.tensor([1e-39, -3e-39, 5e-38, 1e-30], dtype=dtype)  # denormals
     specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0])
-    x = _randn(6, 64, dtype=torch.bfloat16, seed=14)
+    x = _randn(6, 64, dtype=dtype, seed=14)
     x[0, :4], x[1, :5], x[2] = tiny, specials, 1e-20  # row 2: squares underflow
     x[3, 7] = 1e30  # a huge element: the mean of squares overflows
-    residual = _randn(6, 64, dtype=torch.bfloat16, seed=15)
-    w = _randn(64, dtype=torch.bfloat16, seed=16)
+    residual = _randn(6, 64, dtype=dtype, seed=15)
+    w = _randn(64, dtype=dtype, seed=16)
     out, new_residual = fused.add_rms_norm(x, residual, w, 1e-6)
     assert_same(new_residual, x + residual)
     assert_same(out, fused.rms_norm_reference(x + residual, w, 1e-6))
     assert_same(fused.rms_norm(x, w, 1e-6), fused.rms_norm_reference(x, w, 1e-6))
 
-    cos = torch.full((6, 64), 1e-20, dtype=torch.bfloat16)  # products are denormals
-    sin = _randn(6, 64, dtype=torch.bfloat16, seed=17) * 1e-19
+    cos = torch.full((6, 64), 1e-20, dtype=dtype)  # products are denormals
+    sin = _randn(6, 64, dtype=dtype, seed=17) * 1e-19
     want = fused.rotary_reference(x.reshape(6, 1, 64), cos, sin)
     assert_same(fused.rotary(x.clone().reshape(6, 1, 64), cos, sin), want)
+
+    # SiLU near SLEEF's exp bounds (0 below -104, inf above 100), of infinities and NaN, and
+    # of values whose exp is a denormal
+    edges = [-1e30, -104.5, -104.0, -103.9, -100.0, -88.0, -87.5, 88.7, 99.9, 100.0, 100.5]
+    gate = torch.tensor([*edges, *specials.tolist()]).to(dtype)
+    gate = torch.cat([gate, _randn(32 - gate.numel(), dtype=dtype, seed=18, scale=50.0)])
+    gate_up = torch.cat([gate.reshape(1, 32), _randn(1, 32, dtype=dtype, seed=19)], dim=1)
+    assert_same(fused.silu_mul(gate_up), fused.silu_mul_reference(gate_up))
 
 
 def test_inputs_the_kernel_does_not_serve_fall_back() -> None:
@@ -234,8 +250,8 @@ def _prefill_then_decode(model: LlamaForCausalLM) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_model_logits_same_on_kernel_and_fallback(monkeypatch, arch: str, dtype) -> None:
-    if not fused.available():
-        pytest.skip("no fused CPU kernel here")
+    if dtype not in fused.kernel_dtypes():
+        pytest.skip(f"no fused CPU kernel for {dtype} here")
     model = _tiny_model(arch, dtype)
     kernel = _prefill_then_decode(model)
     monkeypatch.setattr(fused, "_mod", lambda: None)

@@ -24,7 +24,12 @@ one with ATEN_CPU_CAPABILITY changes ATen's summation order and vector steps); a
 SiLU can still differ in the last bit where ATen splits a row whose length is not a
 multiple of 32 between threads, which model sizes never are.
 
-Each op falls back to its reference when the kernel is unavailable (no compiler or AVX-512,
+On CPUs with AVX2 and FMA but not AVX-512, `fused_ops_avx2.cpp` gives the same ops in
+float32 only (ATen's AVX2 build is then the reference: 8-lane sums, SLEEF's `expf8_u10`, a
+row's SiLU split at a multiple of 16); `silu_table` is None there and bfloat16 takes the
+references.
+
+Each op falls back to its reference when the kernel is unavailable (no compiler, no AVX2,
 or `KVRAY_CPU_KERNELS=0`), for tensors off the CPU, other dtypes (float16), a last dim that
 is not contiguous, and anything autograd must see; so GPU code paths are unchanged.
 """
@@ -40,15 +45,31 @@ import torch.nn.functional as F
 from kvray.cpu_ext import CSRC, CpuExtension
 
 _EXTENSION = CpuExtension(CSRC / "fused_ops.cpp", ["-ffp-contract=off"])
+# Where AVX-512 is missing but AVX2 and FMA are not: the same ops in float32 (8-lane vectors,
+# ATen's AVX2 order), the dtype kvray serves in there; bfloat16 takes the references.
+AVX2_EXTENSION = CpuExtension(
+    CSRC / "fused_ops_avx2.cpp",
+    ["-ffp-contract=off"],
+    requires=("avx2", "fma"),
+    excludes=("avx512f",),
+)
 
 
 def available() -> bool:
-    return _EXTENSION.available()
+    return _mod() is not None
+
+
+def kernel_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes the kernel serves on this CPU (none where it is unavailable)."""
+    if _EXTENSION.load() is not None:
+        return frozenset({torch.bfloat16, torch.float32})
+    return frozenset({torch.float32}) if AVX2_EXTENSION.load() is not None else frozenset()
 
 
 def _mod() -> Any:
-    """The kernel module, or None where it cannot be built (one check, then cached)."""
-    return _EXTENSION.load()
+    """The kernel module for this CPU, or None where none can be built (one check each,
+    then cached)."""
+    return _EXTENSION.load() or AVX2_EXTENSION.load()
 
 
 # -- torch references: the expressions the kernels reproduce, and the fallback ----------------
