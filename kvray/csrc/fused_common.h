@@ -3,6 +3,7 @@
 // RMSNorm's sum of squares in ATen's order, and which tensors they serve. Needs AVX2.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -14,6 +15,7 @@
 #include <initializer_list>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 namespace kvray_fused {
 
@@ -177,5 +179,41 @@ inline std::optional<torch::Tensor> rows3(const torch::Tensor& x) {
 }
 
 inline bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
+
+// What each op serves, the same for every build: the tensors above, and the shapes it takes.
+inline bool norm_servable(const torch::Tensor& x, const torch::Tensor& w) {
+  return servable({&x, &w}) && w.dim() == 1 && w.size(0) == x.size(-1);
+}
+inline bool add_norm_servable(const torch::Tensor& x, const torch::Tensor& res,
+                              const torch::Tensor& w) {
+  return servable({&x, &res, &w}) && x.sizes() == res.sizes() && w.dim() == 1 &&
+         w.size(0) == x.size(-1);
+}
+inline bool silu_mul_servable(const torch::Tensor& gu) {
+  return servable({&gu}) && gu.dim() == 2 && gu.size(1) % 2 == 0;
+}
+inline bool rotary_servable(const torch::Tensor& x, const torch::Tensor& cos,
+                            const torch::Tensor& sin) {
+  if (!servable({&x, &cos, &sin}) || x.dim() != 3 || x.size(2) % 2 != 0 ||
+      at::has_internal_overlap(x) == at::MemOverlap::Yes)  // e.g. an expanded x
+    return false;
+  for (const auto* t : {&cos, &sin})
+    if (t->dim() != 2 || t->size(0) != x.size(0) || t->size(1) != x.size(2)) return false;
+  return true;
+}
+inline bool argmax_servable(const torch::Tensor& x) {
+  return servable({&x}) && x.dim() == 2 && x.size(1) > 0;
+}
+inline bool mask_rows_servable(const torch::Tensor& x, const torch::Tensor& bitmask,
+                               const std::vector<int64_t>& rows) {
+  if (!servable({&x}) || x.dim() != 2 || bitmask.scalar_type() != torch::kInt32 ||
+      !bitmask.device().is_cpu() || bitmask.dim() != 2 || bitmask.stride(1) != 1 ||
+      bitmask.size(0) < x.size(0) || bitmask.size(1) * 32 < x.size(1))
+    return false;
+  for (const int64_t r : rows) {
+    if (r < 0 || r >= x.size(0)) return false;
+  }
+  return true;
+}
 
 }  // namespace kvray_fused

@@ -22,16 +22,21 @@
 
 namespace {
 
+using kvray_fused::add_norm_servable;
+using kvray_fused::argmax_servable;
 using kvray_fused::bf16;
 using kvray_fused::bf16_of;
 using kvray_fused::from_float;
 using kvray_fused::grain;
 using kvray_fused::inv_rms;
 using kvray_fused::is_bf16;
+using kvray_fused::mask_rows_servable;
+using kvray_fused::norm_servable;
+using kvray_fused::rotary_servable;
 using kvray_fused::round_to;
 using kvray_fused::Rows;
 using kvray_fused::rows3;
-using kvray_fused::servable;
+using kvray_fused::silu_mul_servable;
 using kvray_fused::to_float;
 
 // ---- loads and conversions ------------------------------------------------------------------
@@ -337,7 +342,7 @@ void mask_rows_impl(torch::Tensor& x, const torch::Tensor& bitmask,
 }  // namespace
 
 std::optional<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  if (!servable({&x, &w}) || w.dim() != 1 || w.size(0) != x.size(-1)) return std::nullopt;
+  if (!norm_servable(x, w)) return std::nullopt;
   const auto x3 = rows3(x);
   if (!x3) return std::nullopt;
   auto out = torch::empty(x3->sizes(), x.options());
@@ -349,9 +354,7 @@ std::optional<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double e
 std::optional<std::tuple<torch::Tensor, torch::Tensor>> add_rms_norm(torch::Tensor x,
                                                                      torch::Tensor res,
                                                                      torch::Tensor w, double eps) {
-  if (!servable({&x, &res, &w}) || x.sizes() != res.sizes() || w.dim() != 1 ||
-      w.size(0) != x.size(-1))
-    return std::nullopt;
+  if (!add_norm_servable(x, res, w)) return std::nullopt;
   const auto x3 = rows3(x), r3 = rows3(res);
   if (!x3 || !r3) return std::nullopt;
   auto out = torch::empty(x3->sizes(), x.options());
@@ -362,7 +365,7 @@ std::optional<std::tuple<torch::Tensor, torch::Tensor>> add_rms_norm(torch::Tens
 }
 
 std::optional<torch::Tensor> silu_mul(torch::Tensor gu) {
-  if (!servable({&gu}) || gu.dim() != 2 || gu.size(1) % 2 != 0) return std::nullopt;
+  if (!silu_mul_servable(gu)) return std::nullopt;
   auto out = torch::empty({gu.size(0), gu.size(1) / 2}, gu.options());
   if (is_bf16(gu)) silu_mul_impl<bf16>(gu, out);
   else silu_mul_impl<float>(gu, out);
@@ -375,18 +378,14 @@ torch::Tensor silu_table() {
 }
 
 std::optional<torch::Tensor> rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  if (!servable({&x, &cos, &sin}) || x.dim() != 3 || x.size(2) % 2 != 0 ||
-      at::has_internal_overlap(x) == at::MemOverlap::Yes)  // e.g. an expanded x
-    return std::nullopt;
-  for (const auto* t : {&cos, &sin})
-    if (t->dim() != 2 || t->size(0) != x.size(0) || t->size(1) != x.size(2)) return std::nullopt;
+  if (!rotary_servable(x, cos, sin)) return std::nullopt;
   if (is_bf16(x)) rotary_impl<bf16>(x, cos, sin);
   else rotary_impl<float>(x, cos, sin);
   return x;
 }
 
 std::optional<torch::Tensor> argmax_rows(torch::Tensor x) {
-  if (!servable({&x}) || x.dim() != 2 || x.size(1) == 0) return std::nullopt;
+  if (!argmax_servable(x)) return std::nullopt;
   auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
   if (is_bf16(x)) argmax_rows_impl<bf16>(x, out);
   else argmax_rows_impl<float>(x, out);
@@ -395,13 +394,7 @@ std::optional<torch::Tensor> argmax_rows(torch::Tensor x) {
 
 // In place; false (nothing done) for inputs it does not serve.
 bool mask_rows_(torch::Tensor x, torch::Tensor bitmask, std::vector<int64_t> rows) {
-  if (!servable({&x}) || x.dim() != 2 || bitmask.scalar_type() != torch::kInt32 ||
-      !bitmask.device().is_cpu() || bitmask.dim() != 2 || bitmask.stride(1) != 1 ||
-      bitmask.size(0) < x.size(0) || bitmask.size(1) * 32 < x.size(1))
-    return false;
-  for (const int64_t r : rows) {
-    if (r < 0 || r >= x.size(0)) return false;
-  }
+  if (!mask_rows_servable(x, bitmask, rows)) return false;
   if (is_bf16(x)) mask_rows_impl<bf16>(x, bitmask, rows);
   else mask_rows_impl<float>(x, bitmask, rows);
   return true;
