@@ -225,7 +225,10 @@ def tiny(tmp_path_factory) -> dict[str, dict[str, Any]]:
 
 # -- 1 and 3: TP parity and the KV buffer each actor holds ----------------------------------
 
-TP_CASES = [("kv1", 2), ("kv1", 4), ("kv2", 2), ("kv2", 4), ("kv4", 2), ("kv4", 4)]
+# Every way ranks split the KV heads: replicated on 4 and on 2 ranks each (kv1-tp4,
+# kv2-tp4), one per rank (kv2-tp2), several per rank (kv4-tp2); each case is an engine
+# start (about 10 s of the suite), so the other two pairings are left out.
+TP_CASES = [("kv1", 4), ("kv2", 2), ("kv2", 4), ("kv4", 2)]
 
 
 @pytest.fixture(scope="module", params=TP_CASES, ids=[f"{n}-tp{t}" for n, t in TP_CASES])

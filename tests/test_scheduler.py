@@ -246,7 +246,7 @@ def test_finished_request_counts_and_cache_hits():
 @pytest.mark.parametrize("ps", [1, 4, 16])
 @pytest.mark.parametrize("policy", ["radix", "naive"])
 @settings(
-    max_examples=170,
+    max_examples=100,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )

@@ -1,5 +1,5 @@
 """The soak at CI size: `kvray bench soak` in a subprocess (its own Ray cluster and kvray Serve
-app, real HTTP): 120 requests from 16 clients, completions and chat, streamed and
+app, real HTTP): 60 requests from 16 clients, completions and chat, streamed and
 not, shared prefixes, a fifth cut at random points, malformed bodies in between. Larger
 runs: `kvray bench soak --requests 2000 --concurrency 64`.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-REQUESTS = 90  # (seeded: 3 malformed bodies, 19 cut)
+REQUESTS = 60  # (seeded: 2 malformed bodies, 15 cut)
 
 
 @pytest.mark.slow
@@ -45,7 +45,7 @@ def test_soak_ci_size(tmp_path: Path) -> None:
     assert report["errors"] == 0, report["error_samples"]
     # the mix really happened: about a fifth cut, some malformed bodies refused
     assert 0.1 * REQUESTS <= report["disconnects"] <= 0.3 * REQUESTS, summary
-    assert report["bad_bodies"] >= 3, summary
+    assert report["bad_bodies"] >= 2, summary
     assert report["running"] == 0 and report["waiting"] == 0
     assert report["final_kv_usage"] == report["idle_kv_usage"] == 0.0
     assert report["integrity_ok"] is True and report["pages_leaked"] == 0
