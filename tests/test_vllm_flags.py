@@ -199,3 +199,24 @@ def test_chat_template_and_allowed_origins_as_vllm_takes_them(tmp_path) -> None:
     assert as_json.allowed_origins == ServeConfig(allowed_origins=list(origins)).allowed_origins
     assert as_json.allowed_origins == origins
     assert ServeConfig(allowed_origins=origins[0]).allowed_origins == origins[:1]
+    # several after one flag, or comma-separated, with the model before or after them
+    assert serve_config("/m", "--allowed-origins", *origins).allowed_origins == origins
+    listed = serve_config("--allowed-origins", ",".join(origins), "--model", "/m")
+    assert listed.allowed_origins == origins and listed.model == "/m"
+
+
+def test_one_served_model_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's --served-model-name takes several names: kvray serves under one, and refuses
+    several by the field's name before anything starts, rather than taking the second name
+    for the positional MODEL (which `argparse` alone would do)."""
+    from kvray.deploy.cli import main
+
+    assert serve_config("/m", "--served-model-name", "llama-3").served_model_name == "llama-3"
+    assert serve_config("--served-model-name", "llama-3").model is None
+    assert serve_config("--served-model-name", "").served_model_name is None  # blank: unset
+    assert main(["serve", "/m", "--served-model-name", "a", "b"]) == 2
+    err = capsys.readouterr().err
+    assert "served_model_name" in err and "one name, not 2 (a, b)" in err
+    assert "starting Ray" not in err
+    with pytest.raises(ValueError, match="one name, not 2"):
+        ServeConfig(served_model_name=["a", "b"])

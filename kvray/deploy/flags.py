@@ -1,8 +1,9 @@
 """Command-line flags derived from a settings model (`EngineConfig`, `ServeConfig`): one
 flag per field, --field-name (plus the field's `cli_aliases`), typed and documented from
-the field's declaration. An unset flag is left out of the parsed values, so the model's own
-default applies: no default is written twice. An optional field whose default is not None
-takes `none` to unset it.
+the field's declaration; `nargs: "+"` in its `json_schema_extra` makes the flag take
+several values (as vLLM's does: the model's validator reads the list). An unset flag is
+left out of the parsed values, so the model's own default applies: no default is written
+twice. An optional field whose default is not None takes `none` to unset it.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def add_model_flags(
             item = typing.get_args(kind)[0]
             kw.update(action="append", choices=list(typing.get_args(item)) or None)
             help_text += " (repeatable)"
+            if extra.get("nargs") == "+":  # also several values after one flag
+                kw.update(action="extend", nargs="+")
         elif typing.get_origin(kind) is Literal:
             kw["choices"] = list(typing.get_args(kind))
             if aliases := extra.get("value_aliases"):  # other names of some choices
@@ -95,6 +98,8 @@ def add_model_flags(
                 help_text += " (also " + ", ".join(aliases) + ")"  # type: ignore[arg-type]
         else:
             kw["type"] = sized_int if kind is int and extra.get("sized") else kind
+            if extra.get("nargs") == "+":  # several values, as vLLM's flag takes: a list
+                kw["nargs"] = "+"
             if kind is not field.annotation and default is not None:  # X | None, set
                 kw["type"] = _or_none(kw["type"])
                 help_text += "; 'none' unsets it"

@@ -39,7 +39,8 @@ class ServeConfig(EngineConfig):
     served_model_name: str | None = Field(
         default=None,
         description="the `model` clients send; None: the checkpoint directory's name, or the "
-        "Hugging Face model id the model was given as",
+        "Hugging Face model id the model was given as. One name (vLLM's several are refused)",
+        json_schema_extra={"nargs": "+"},
     )
     replicas: int = Field(default=1, gt=0, description="data-parallel engines behind Serve")
     router: Literal["prefix", "pow2", "round-robin"] | None = Field(
@@ -100,8 +101,10 @@ class ServeConfig(EngineConfig):
     )
     allowed_origins: tuple[str, ...] = Field(
         default=(),
-        description="origins a browser may call the API from (CORS; '*' for any); vLLM's JSON "
-        "list is read too. Empty: no CORS headers, so browsers on other origins are refused",
+        description="origins a browser may call the API from (CORS; '*' for any); several "
+        "after the flag, comma-separated, or vLLM's JSON list. Empty: no CORS headers, so "
+        "browsers on other origins are refused",
+        json_schema_extra={"nargs": "+"},
     )
     generation_config: Literal["auto", "none"] = Field(
         default="auto",
@@ -150,8 +153,26 @@ class ServeConfig(EngineConfig):
                 import json
 
                 return json.loads(value)
-            return [value]
+            value = [value]
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            # "a,b" is two origins (an origin never holds a comma)
+            return [o.strip() for v in value for o in v.split(",") if o.strip()]
         return value
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _one_name(cls, value: object) -> object:
+        """The flag's list (`--served-model-name NAME`) as its one name. vLLM takes several,
+        answering to each and naming the first in responses: kvray serves one, and says so
+        rather than take the second for something else."""
+        if isinstance(value, list | tuple):
+            if len(value) != 1:
+                raise ValueError(
+                    f"one name, not {len(value)} ({', '.join(map(str, value))}): kvray serves "
+                    "the model under one name"
+                )
+            value = value[0]
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("generation_config", mode="before")
     @classmethod
