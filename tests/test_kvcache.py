@@ -111,6 +111,35 @@ def test_pool_replicates_kv_heads_and_adds_dummy_page():
         )
 
 
+def test_a_cpu_pool_is_zeros_and_takes_memory_as_it_fills():
+    """A 1 GiB CPU pool starts without writing its memory (the process grows by the pages
+    written, not by the pool), reads as zeros everywhere, and keeps what is stored."""
+
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    before = rss_mib()
+    pool = create_kvcache_pool(
+        num_kv_heads=4,
+        num_layers=16,
+        head_dim=64,
+        num_pages=2047,
+        page_size=16,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    assert pool.buffer_shape == (2, 16, 2048, 16, 4, 64)  # 1 GiB
+    assert rss_mib() - before < 64
+    k = pool.k_flat(3)
+    assert not k.any() and not pool.v_flat(15).any()  # (zero pages: read, not written)
+    loc = torch.tensor([5, 700, 32767])
+    kv = torch.randn(3, 4, 64)
+    pool.store_kv(kv, -kv, loc, 3)
+    assert torch.equal(k[loc], kv) and torch.equal(pool.v_flat(3)[loc], -kv)
+    assert rss_mib() - before < 64
+
+
 def test_policies_are_registered_by_name():
     assert PREFIX_CACHES.names() == ["naive", "radix"]
     with pytest.raises(ValueError, match="unknown prefix cache"):
