@@ -472,6 +472,7 @@ def test_render_rejects_impossible_layouts(helm_render, override, message):
 CHART_HOMES = {
     "model": ("model", "path"),
     "served_model_name": ("model", "servedModelName"),
+    "served_model_aliases": ("model", "servedModelAliases"),
     "compiled": ("engine", "compiledGraph"),
     "app_name": ("serve", "appName"),
 }
@@ -568,6 +569,7 @@ def test_every_chart_value_reaches_the_application(helm_render):
     chosen = {
         "model": "/models/m",
         "served_model_name": "m-1",
+        "served_model_aliases": ("m", "org/m-1"),
         "tp_size": 2,
         "dtype": "float16",
         "device": "cpu",

@@ -205,18 +205,20 @@ def test_chat_template_and_allowed_origins_as_vllm_takes_them(tmp_path) -> None:
     assert listed.allowed_origins == origins and listed.model == "/m"
 
 
-def test_one_served_model_name(capsys: pytest.CaptureFixture[str]) -> None:
-    """vLLM's --served-model-name takes several names: kvray serves under one, and refuses
-    several by the field's name before anything starts, rather than taking the second name
-    for the positional MODEL (which `argparse` alone would do)."""
-    from kvray.deploy.cli import main
-
-    assert serve_config("/m", "--served-model-name", "llama-3").served_model_name == "llama-3"
-    assert serve_config("--served-model-name", "llama-3").model is None
+def test_several_served_model_names() -> None:
+    """vLLM's --served-model-name takes several names: the first names responses, every one
+    is a request's `model` (kvray keeps the others as served_model_aliases). Before, argparse
+    took the second name for the positional MODEL."""
+    both = serve_config("/m", "--served-model-name", "llama-3", "llama")
+    assert both.model == "/m"
+    assert (both.served_model_name, both.served_model_aliases) == ("llama-3", ("llama",))
+    one = serve_config("--served-model-name", "llama-3")
+    assert (one.model, one.served_model_name, one.served_model_aliases) == (None, "llama-3", ())
     assert serve_config("--served-model-name", "").served_model_name is None  # blank: unset
-    assert main(["serve", "/m", "--served-model-name", "a", "b"]) == 2
-    err = capsys.readouterr().err
-    assert "served_model_name" in err and "one name, not 2 (a, b)" in err
-    assert "starting Ray" not in err
-    with pytest.raises(ValueError, match="one name, not 2"):
-        ServeConfig(served_model_name=["a", "b"])
+    more = serve_config("--served-model-name", "a", "b", "--served-model-aliases", "c", "b", "a")
+    assert (more.served_model_name, more.served_model_aliases) == ("a", ("b", "c"))
+    # unnamed, the model is served under its directory's name, and an alias equal to that
+    # name is dropped when the name is resolved
+    aliased = serve_config("/m/llama", "--served-model-aliases", "llama", "l").resolved()
+    assert (aliased.served_model_name, aliased.served_model_aliases) == ("llama", ("l",))
+    assert ServeConfig(served_model_name=["a", "b"]).served_model_aliases == ("b",)

@@ -334,7 +334,11 @@ def create_app(
     app = FastAPI(title="kvray", docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # _Front serves /x/ as /x instead
     openapi = build_openapi(
-        serving.model_name, bool(api_key), public_paths, serving.limits.vocab_size
+        serving.model_name,
+        bool(api_key),
+        public_paths,
+        serving.limits.vocab_size,
+        serving.model_names[1:],
     )
 
     @app.exception_handler(APIError)

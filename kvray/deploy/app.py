@@ -495,6 +495,7 @@ class Ingress:
             ServeEngineClient(self.engine, direct=s.request_channel and s.replicas == 1),
             self.metrics,
             s,
+            s.served_model_aliases,
         )
         return create_app(
             self.serving,

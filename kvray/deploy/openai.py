@@ -119,8 +119,11 @@ class OpenAIServing:
         engine: AsyncEngineClient,
         metrics: RequestMetrics | None = None,
         policy: ServeConfig | None = None,
+        aliases: Sequence[str] = (),
     ) -> None:
-        self.model_name = model_name
+        self.model_name = model_name  # what responses name
+        # every name a request may give: the model's, then its aliases
+        self.model_names = tuple(dict.fromkeys((model_name, *aliases)))
         self.tokenizer = tokenizer
         self.token_bytes = TokenBytes(tokenizer)
         self.limits = limits
@@ -131,21 +134,28 @@ class OpenAIServing:
             self.prepare.grammar.on_compile = metrics.grammar_compile.observe
 
     def models(self) -> ModelList:
-        card = ModelCard(
-            id=self.model_name, created=0, owned_by="kvray", max_model_len=self.limits.max_seq_len
+        """One card for each name the model is served under (as vLLM lists them)."""
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=name, created=0, owned_by="kvray", max_model_len=self.limits.max_seq_len
+                )
+                for name in self.model_names
+            ]
         )
-        return ModelList(data=[card])
 
     def model(self, model: str) -> ModelCard:
-        """`GET /v1/models/{model}`: the card of the model this server serves, else 404."""
+        """`GET /v1/models/{model}`: the card of that name, if the model is served under it,
+        else 404."""
         self._check_model(model)
-        return self.models().data[0]
+        return next(card for card in self.models().data if card.id == model)
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
+            served = "', '".join(self.model_names)
             raise APIError(
                 404,
-                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                f"The model '{model}' does not exist; this server serves '{served}'",
                 "model",
                 "NotFoundError",
             )

@@ -11,7 +11,7 @@ an error body.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -51,9 +51,12 @@ _HEALTH = (
 )
 
 
-def _this_server(schemas: dict[str, Any], model_name: str, vocab_size: int | None) -> None:
-    """What only this server knows: the one model it serves, the vocabulary's bounds, and
-    that a prompt is never empty."""
+def _this_server(
+    schemas: dict[str, Any], model_names: Sequence[str], vocab_size: int | None
+) -> None:
+    """What only this server knows: the one model it serves (under one name or several),
+    the vocabulary's bounds, and that a prompt is never empty."""
+    named = {"const": model_names[0]} if len(model_names) == 1 else {"enum": list(model_names)}
     for name in (
         "CompletionRequest",
         "ChatCompletionRequest",
@@ -62,7 +65,7 @@ def _this_server(schemas: dict[str, Any], model_name: str, vocab_size: int | Non
         "DetokenizeRequest",
     ):
         model = schemas[name]["properties"]["model"]
-        model["anyOf"] = [{"const": model_name}, {"type": "null"}]
+        model["anyOf"] = [named, {"type": "null"}]
     token = {"type": "integer", "minimum": 0}
     if vocab_size is not None:
         token["maximum"] = vocab_size - 1
@@ -82,9 +85,11 @@ def build_openapi(
     secured: bool,
     public_paths: Collection[str] = (),
     vocab_size: int | None = None,
+    aliases: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the kvray server. `secured`: an API key is required
-    everywhere but /health and `public_paths`. With `vocab_size`, token ids are bounded."""
+    everywhere but /health and `public_paths`. With `vocab_size`, token ids are bounded.
+    `aliases`: the model's other names a request may give."""
     wanted: list[tuple[type[BaseModel], Any]] = [
         (CompletionRequest, "validation"),
         (ChatCompletionRequest, "validation"),
@@ -104,7 +109,7 @@ def build_openapi(
     ]
     names, defs = models_json_schema(wanted, ref_template=_REF)
     schemas = defs.get("$defs", {})
-    _this_server(schemas, model_name, vocab_size)
+    _this_server(schemas, list(dict.fromkeys((model_name, *aliases))), vocab_size)
 
     def ref(model: type[BaseModel], mode: str = "serialization") -> dict[str, Any]:
         return names[(model, mode)]

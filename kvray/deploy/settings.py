@@ -12,7 +12,7 @@ import os
 from pathlib import PurePath
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from kvray.config import EngineConfig, cli_aliases
@@ -38,8 +38,15 @@ class ServeConfig(EngineConfig):
 
     served_model_name: str | None = Field(
         default=None,
-        description="the `model` clients send; None: the checkpoint directory's name, or the "
-        "Hugging Face model id the model was given as. One name (vLLM's several are refused)",
+        description="the `model` clients send, and responses name; None: the checkpoint "
+        "directory's name, or the Hugging Face model id the model was given as. Several "
+        "names (as vLLM's flag takes them): the first is this, the others served_model_aliases",
+        json_schema_extra={"nargs": "+"},
+    )
+    served_model_aliases: tuple[str, ...] = Field(
+        default=(),
+        description="other names a request's `model` may give (each listed by /v1/models); "
+        "responses name served_model_name",
         json_schema_extra={"nargs": "+"},
     )
     replicas: int = Field(default=1, gt=0, description="data-parallel engines behind Serve")
@@ -159,20 +166,28 @@ class ServeConfig(EngineConfig):
             return [o.strip() for v in value for o in v.split(",") if o.strip()]
         return value
 
-    @field_validator("served_model_name", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _one_name(cls, value: object) -> object:
-        """The flag's list (`--served-model-name NAME`) as its one name. vLLM takes several,
-        answering to each and naming the first in responses: kvray serves one, and says so
-        rather than take the second for something else."""
-        if isinstance(value, list | tuple):
-            if len(value) != 1:
-                raise ValueError(
-                    f"one name, not {len(value)} ({', '.join(map(str, value))}): kvray serves "
-                    "the model under one name"
-                )
-            value = value[0]
-        return None if isinstance(value, str) and not value.strip() else value
+    def _several_names(cls, data: object) -> object:
+        """Several served model names (the flag's list, or a list in a config), as vLLM
+        takes them: the first names responses, every one is accepted as a request's
+        `model`. The aliases keep their order, without blanks, repeats or the first name."""
+        if not isinstance(data, dict):
+            return data
+        names = data.get("served_model_name")
+        names = list(names) if isinstance(names, list | tuple) else [names]
+        aliases = data.get("served_model_aliases", ())
+        aliases = [aliases] if isinstance(aliases, str) else list(aliases)
+        if not all(n is None or isinstance(n, str) for n in names + aliases):
+            return data  # the fields' own validation names what is wrong
+        names = [n for n in names if n is not None and n.strip()]
+        first = names[0] if names else None
+        rest = [a for a in names[1:] + aliases if a.strip() and a != first]
+        return {
+            **data,
+            "served_model_name": first,
+            "served_model_aliases": tuple(dict.fromkeys(rest)),
+        }
 
     @field_validator("generation_config", mode="before")
     @classmethod
@@ -241,6 +256,7 @@ class ServeConfig(EngineConfig):
                 "api_key_env": None,
                 "model": model,
                 "served_model_name": name,
+                "served_model_aliases": tuple(a for a in self.served_model_aliases if a != name),
                 "chat_template": template,
             }
         )

@@ -175,13 +175,14 @@ def test_sigterm_drains_running_streams_then_exits(tmp_path: Path) -> None:
     (as Kubernetes sends it) with streams running: new requests get a 503, the running ones
     finish normally within the grace period, and the process exits 0 leaving no Ray process
     and no placement group. The same server checks the operator flags: --public-path,
-    --max-tokens-cap, --special-tokens-in-messages. (One server for all of it: each start
-    of `kvray serve` costs half a minute of the suite.)"""
+    --max-tokens-cap, --special-tokens-in-messages, and a second --served-model-name. (One
+    server for all of it: each start of `kvray serve` costs half a minute of the suite.)"""
     import transformers
 
     from kvray.models.embedded import ensure_embedded_model
 
     flags = ["--num-pages", "512", "--api-key", KEY, "--public-path", "/metrics"]
+    flags += ["--served-model-name", MODEL, "smollm2"]  # as vLLM's flag: the second an alias
     flags += ["--max-tokens-cap", "200", "--special-tokens-in-messages", "--shutdown-grace-s", "90"]
     auth = {"Authorization": f"Bearer {KEY}"}
     with kvray_serve(tmp_path, *flags) as server:
@@ -205,13 +206,21 @@ def test_sigterm_drains_running_streams_then_exits(tmp_path: Path) -> None:
                 assert http.get(path).status_code == 200, path
             assert httpx.get(f"{server.base}/metrics").status_code == 200  # public: no key
             r = http.get("/v1/models")
-            assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+            assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [
+                MODEL,
+                "smollm2",
+            ]
+            assert http.get("/v1/models/smollm2").json()["id"] == "smollm2"
+            assert http.get("/v1/models/other").status_code == 404
             # Direct ingress: the API replica itself listens on the port, no Serve proxy.
             assert "ServeReplica:kvray:Ingress" in listener(server.port), listener(server.port)
             # The README's request answers "Paris".
             r = http.post("/v1/chat/completions", json=README_REQUEST)
             assert r.status_code == 200, r.text
             assert "Paris" in r.json()["choices"][0]["message"]["content"], r.text
+            # asked by its alias, the answer names the model's first name (as vLLM does)
+            r = http.post("/v1/chat/completions", json={**README_REQUEST, "model": "smollm2"})
+            assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
             cap = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 201})
             assert cap.status_code == 400 and cap.json()["error"]["param"] == "max_tokens"
             forged = http.post("/v1/chat/completions", json={"messages": FORGED, "max_tokens": 1})

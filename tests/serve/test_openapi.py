@@ -253,3 +253,15 @@ def test_still_serving_after_the_fuzz(server: str) -> None:
         )
     assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
     assert_engine_clean()
+
+
+def test_a_model_served_under_several_names_accepts_each() -> None:
+    from kvray.deploy.openapi import build_openapi
+
+    one = build_openapi("m", secured=False)["components"]["schemas"]
+    assert one["CompletionRequest"]["properties"]["model"]["anyOf"][0] == {"const": "m"}
+    doc = build_openapi("m", secured=False, aliases=("org/m", "m"))
+    validate(doc)
+    for name in ("CompletionRequest", "ChatCompletionRequest", "DetokenizeRequest"):
+        model = doc["components"]["schemas"][name]["properties"]["model"]
+        assert model["anyOf"] == [{"enum": ["m", "org/m"]}, {"type": "null"}], name

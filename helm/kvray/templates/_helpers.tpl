@@ -138,6 +138,7 @@ each other and that would otherwise leave placement groups pending forever.
 {{- $args := dict
       "app_name" .Values.serve.appName
       "served_model_name" (include "kvray.servedModelName" .)
+      "served_model_aliases" .Values.model.servedModelAliases
       "tp_size" (int $e.tpSize)
       "replicas" (int $e.replicas)
       "page_size" (int $e.pageSize)
