@@ -57,7 +57,7 @@ from kvray.deploy.protocol import (
     VersionResponse,
 )
 from kvray.deploy.protocol import FinishReason as ResponseFinish
-from kvray.deploy.settings import ServeConfig
+from kvray.deploy.settings import ServeConfig, served_names
 from kvray.deploy.tools import ReplyStream
 from kvray.text import Logprob, OutputDelta, OutputState, encode
 from kvray.text.token_bytes import TextOffsets, TokenBytes, token_text
@@ -123,7 +123,7 @@ class OpenAIServing:
     ) -> None:
         self.model_name = model_name  # what responses name
         # every name a request may give: the model's, then its aliases
-        self.model_names = tuple(dict.fromkeys((model_name, *aliases)))
+        self.model_names = served_names(model_name, aliases)
         self.tokenizer = tokenizer
         self.token_bytes = TokenBytes(tokenizer)
         self.limits = limits

@@ -34,6 +34,7 @@ from kvray.deploy.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from kvray.deploy.settings import served_names
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {
@@ -109,7 +110,7 @@ def build_openapi(
     ]
     names, defs = models_json_schema(wanted, ref_template=_REF)
     schemas = defs.get("$defs", {})
-    _this_server(schemas, list(dict.fromkeys((model_name, *aliases))), vocab_size)
+    _this_server(schemas, served_names(model_name, aliases), vocab_size)
 
     def ref(model: type[BaseModel], mode: str = "serialization") -> dict[str, Any]:
         return names[(model, mode)]

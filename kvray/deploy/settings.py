@@ -9,6 +9,7 @@ name and the API key settled where the app is built.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import PurePath
 from typing import Literal
 
@@ -18,6 +19,12 @@ from pydantic.fields import FieldInfo
 from kvray.config import EngineConfig, cli_aliases
 
 PublicPath = Literal["/metrics", "/openapi.json"]
+
+
+def served_names(name: str, aliases: Iterable[str] = ()) -> tuple[str, ...]:
+    """The names a model is served under: `name`, which responses carry, then each alias
+    once."""
+    return tuple(dict.fromkeys((name, *aliases)))
 
 
 class ServeConfig(EngineConfig):
