@@ -85,3 +85,40 @@ def test_serve_comparison_puts_kvray_first_and_divides_by_the_other() -> None:
     assert first["itl_p99_s_ratio"] == pytest.approx(0.25)
     assert first["output_token_throughput_ratio"] == pytest.approx(1.2)
     assert rows[1]["itl_p99_s_ratio"] is None  # a missing figure is no ratio, not a crash
+
+
+def test_serve_rounds_alternate_the_order_and_take_medians_of_figures_and_ratios() -> None:
+    from kvray.bench import serve
+
+    assert serve.round_order(["kvray", "vllm"], 0) == ["kvray", "vllm"]
+    assert serve.round_order(["kvray", "vllm"], 1) == ["vllm", "kvray"]
+    assert serve.round_order(["kvray", "vllm"], 2) == ["kvray", "vllm"]
+
+    def report(ttft: float, itl: float | None) -> dict[str, object]:
+        row = {"ttft_p50_s": ttft, "itl_p99_s": itl, "output_token_throughput": 10.0}
+        return {"summary": {"1": row}}
+
+    rounds = [
+        serve.compare({"kvray": report(k, None), "vllm": report(v, None)})
+        for k, v in ((1.0, 2.0), (3.0, 2.0), (2.0, 8.0))
+    ]
+    (row,) = serve.median_rows(rounds)
+    assert row["rate"] == "1"
+    assert row["kvray_ttft_p50_s"] == 2.0 and row["vllm_ttft_p50_s"] == 2.0
+    # the median of the ratios 0.5, 1.5, 0.25 -- not 2.0 / 2.0
+    assert row["ttft_p50_s_ratio"] == pytest.approx(0.5)
+    assert row["itl_p99_s_ratio"] is None and row["kvray_itl_p99_s"] is None
+    assert row["output_token_throughput_ratio"] == pytest.approx(1.0)
+
+
+def test_serve_rounds_need_servers_to_start(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvray.bench import serve
+
+    for argv in (
+        ["--url", "http://127.0.0.1:1/v1", "--rounds", "2"],
+        ["--start", "kvray", "--rounds", "0"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            serve.main(argv)
+        assert exit_info.value.code == 2
+    assert "--rounds" in capsys.readouterr().err

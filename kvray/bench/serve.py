@@ -30,7 +30,11 @@ runs every rate against it, stops it, and prints the engines side by side: TTFT 
 ITL p99 of each at every rate, with kvray's ratio to the other. vLLM runs from its own venv
 (`scripts/install_vllm_cpu.sh`, `--vllm-python`) with the settings of the offline baseline
 (`vllm_baseline`); kvray with `--speculative-tokens` n-gram drafts (4; 0: none), as the
-offline bench runs it.
+offline bench runs it. `--rounds N` repeats that N times, the engines' order reversed every
+other round (a machine that slows down over the run then weighs on each alike), each round
+on fresh servers with the same requests, and prints every round's ratios and, per rate, the
+median of each figure and of the rounds' ratios: on a shared machine one round's ratios
+can move by tens of percent.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -398,14 +403,16 @@ def _launch(engine: str, args: argparse.Namespace, port: int) -> Any:
     return vllm_baseline.launch_server(checkpoint, args.dtype, port, settings, args.vllm_python)
 
 
-def run_started(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Each engine of `--start` in turn: started, warmed up (a few short requests, not
-    counted), benchmarked at every rate, stopped. Returns {engine: report}."""
+def run_started(
+    args: argparse.Namespace, order: list[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Each engine of `order` (default `--start`) in turn: started, warmed up (a few short
+    requests, not counted), benchmarked at every rate, stopped. Returns {engine: report}."""
     from kvray.bench import servers
     from kvray.net import free_port
 
     reports: dict[str, dict[str, Any]] = {}
-    for engine in args.start:
+    for engine in order or args.start:
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
         print(f"starting {engine} serve on port {port} ...", file=sys.stderr, flush=True)
@@ -425,6 +432,11 @@ def run_started(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return reports
 
 
+def round_order(engines: list[str], k: int) -> list[str]:
+    """Round k's order of starting the engines: as given, reversed every other round."""
+    return list(engines) if k % 2 == 0 else list(reversed(engines))
+
+
 def compare(reports: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per rate: each engine's TTFT p50 and ITL p99 (s) and output tok/s, and kvray's
     ratio to the other engine (below 1: kvray is faster)."""
@@ -440,14 +452,30 @@ def compare(reports: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def print_comparison(rows: list[dict[str, Any]], engines: list[str]) -> None:
+def median_rows(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per rate, the median over rounds of each figure of `compare`'s rows (ratios too: the
+    median of the rounds' ratios, not the ratio of the medians); a figure missing from
+    every round stays None."""
+    rows = []
+    for i, first in enumerate(rounds[0]):
+        row: dict[str, Any] = {"rate": first["rate"]}
+        for key in first:
+            if key == "rate":
+                continue
+            values = [r[i][key] for r in rounds if r[i][key] is not None]
+            row[key] = statistics.median(values) if values else None
+        rows.append(row)
+    return rows
+
+
+def print_comparison(rows: list[dict[str, Any]], engines: list[str], title: str = "") -> None:
     a, b = engines[:2]
 
     def ratio(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}x"
 
     print_table(
-        f"{a} vs {b}, the same requests at each rate (latencies in ms)",
+        title or f"{a} vs {b}, the same requests at each rate (latencies in ms)",
         ["rate", f"{a} TTFT p50", f"{b} TTFT p50", "ratio", f"{a} ITL p99", f"{b} ITL p99"]
         + ["ratio", f"{a} out tok/s", f"{b} out tok/s"],
         [
@@ -495,6 +523,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait")
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--start: run the engines this many times, the order reversed every other "
+        "round, and compare the medians (default 1)",
+    )
+    ap.add_argument(
         "--speculative-tokens",
         type=int,
         default=4,
@@ -539,6 +574,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("--rate values must be distinct")
     if not args.timeout > 0:
         ap.error("--timeout must be > 0")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    if args.rounds > 1 and not args.start:
+        ap.error("--rounds needs --start (it restarts the servers every round)")
     if args.start and len(set(args.start)) != len(args.start):
         ap.error("--start names each engine once")
     if args.start and "vllm" in args.start:  # say so now, not after the kvray run
@@ -581,22 +620,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def main_started(args: argparse.Namespace) -> dict[str, Any]:
-    reports = run_started(args)
-    for report in reports.values():
-        print_report(report)
-    rows = compare(reports) if len(reports) > 1 else []
-    if rows:
-        print_comparison(rows, sorted(reports, key=lambda name: name != "kvray"))
+    rounds = [run_started(args, round_order(args.start, k)) for k in range(args.rounds)]
+    for k, reports in enumerate(rounds):
+        for name in args.start:
+            if args.rounds > 1:
+                print(f"round {k + 1} of {args.rounds}: {name}")
+            print_report(reports[name])
+    engines = sorted(args.start, key=lambda name: name != "kvray")
+    per_round = [compare(reports) for reports in rounds] if len(args.start) > 1 else []
+    rows = median_rows(per_round) if per_round else []
+    if len(per_round) > 1:
+        for k, round_rows in enumerate(per_round):
+            print_comparison(round_rows, engines, f"round {k + 1} of {args.rounds} (ms)")
+        print_comparison(
+            rows,
+            engines,
+            f"{engines[0]} vs {engines[1]}, the median of {args.rounds} rounds "
+            "(ratios: the median of the rounds' ratios; latencies in ms)",
+        )
+    elif rows:
+        print_comparison(rows, engines)
     sys.stdout.flush()
     path = write_json(
         args.json,
-        {name: r["summary"] for name, r in reports.items()},
+        {name: rounds[0][name]["summary"] for name in args.start},
         comparison=rows,
-        config={name: r["config"] for name, r in reports.items()},
+        rounds=[
+            {
+                "order": round_order(args.start, k),
+                "summary": {n: r["summary"] for n, r in rep.items()},
+            }
+            for k, rep in enumerate(rounds)
+        ],
+        round_comparisons=per_round,
+        config={name: r["config"] for name, r in rounds[0].items()},
     )
     if path is not None:
         print(f"wrote {path}")
-    return {"engines": reports, "comparison": rows}
+    return {"engines": rounds[0], "comparison": rows, "rounds": rounds}
 
 
 if __name__ == "__main__":
