@@ -122,3 +122,41 @@ def test_serve_rounds_need_servers_to_start(capsys: pytest.CaptureFixture[str]) 
             serve.main(argv)
         assert exit_info.value.code == 2
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_serve_rounds_report_every_round_and_the_medians(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import argparse
+    import json
+
+    from kvray.bench import serve
+
+    orders: list[list[str]] = []
+    ttfts = iter([0.1, 0.2, 0.4, 0.2, 0.3, 0.3])  # kvray / vllm per round, in start order
+
+    def fake_run_started(args: argparse.Namespace, order: list[str]) -> dict[str, object]:
+        orders.append(order)
+        reports = {}
+        for name in order:
+            row = {"ttft_p50_s": next(ttfts), "itl_p99_s": 0.5, "output_token_throughput": 9.0}
+            reports[name] = {"summary": {"1": row}, "config": {"engine": name}}
+        return reports
+
+    monkeypatch.setattr(serve, "run_started", fake_run_started)
+    monkeypatch.setattr(serve, "print_report", lambda report: None)
+    path = tmp_path / "serve.json"
+    args = argparse.Namespace(start=["kvray", "vllm"], rounds=3, json=str(path))
+    out = serve.main_started(args)
+    assert orders == [["kvray", "vllm"], ["vllm", "kvray"], ["kvray", "vllm"]]
+    # kvray / vllm TTFT per round: 0.1 / 0.2, 0.2 / 0.4 (vllm ran first), 0.3 / 0.3
+    (row,) = out["comparison"]
+    assert row["kvray_ttft_p50_s"] == pytest.approx(0.2)
+    assert row["vllm_ttft_p50_s"] == pytest.approx(0.3)
+    assert row["ttft_p50_s_ratio"] == pytest.approx(0.5)  # of 0.5, 0.5, 1.0
+    saved = json.loads(path.read_text())
+    assert [r["order"] for r in saved["rounds"]] == orders
+    assert [rc[0]["ttft_p50_s_ratio"] for rc in saved["round_comparisons"]] == pytest.approx(
+        [0.5, 0.5, 1.0]
+    )
+    assert saved["comparison"][0]["ttft_p50_s_ratio"] == pytest.approx(0.5)
