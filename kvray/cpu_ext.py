@@ -3,10 +3,11 @@
 The kernels are real source files in `kvray/csrc/` (each ends with its pybind11 module
 definition), shipped with the package. The first `load()` compiles one with torch's
 `cpp_extension.load`, under a name that carries a hash of its source, the headers beside
-it, its flags, the torch version and the CPU it is compiled for (`-march=native`): an edited
-source or header, or another CPU, is a new build, never a stale or illegal binary, and
-later processes only load what torch cached under ~/.cache/torch_extensions (or
-TORCH_EXTENSIONS_DIR).
+it, its flags, the torch version and install, and the CPU it is compiled for
+(`-march=native`): an edited source or header, or another CPU, is a new build, never a stale
+or illegal binary, and later processes only load what torch cached under
+~/.cache/torch_extensions (or TORCH_EXTENSIONS_DIR). Another venv's torch builds its own
+copy instead of rebuilding this one's in place.
 Where it cannot be built (a CPU without the instruction sets its kernels need, no compiler
 or ninja) or `KVRAY_CPU_KERNELS=0` is set, `load()` returns None and callers keep to their
 plain path.
@@ -113,13 +114,18 @@ class CpuExtension:
         return self.requires <= flags and not self.excludes & flags
 
     def build_name(self) -> str:
-        """The module's name: the file's stem and a hash of what the binary depends on."""
+        """The module's name: the file's stem and a hash of what the binary depends on (the
+        source, the headers beside it, the flags, the torch version and install, the CPU)."""
         import torch
 
         digest = hashlib.sha256(self.source.read_bytes())
         for header in sorted(self.source.parent.glob("*.h")):  # what it may #include
             digest.update(header.name.encode() + b"\0" + header.read_bytes())
         digest.update("\0".join([*self.extra_cflags, torch.__version__]).encode())
+        # The torch install it compiles against: its include and library paths are in the
+        # build's ninja file, so two environments sharing the cache (two venvs, a CI clone
+        # beside a checkout) would otherwise each rebuild the other's binary at every switch.
+        digest.update(str(Path(torch.__file__).resolve().parent).encode())
         # -march=native: a binary built on one CPU may not run on another (a shared home
         # or an image moved between hosts), so the CPU it targets is part of its name.
         digest.update(cpu_identity().encode())

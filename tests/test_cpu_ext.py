@@ -34,6 +34,13 @@ def test_every_source_edit_is_a_new_build(monkeypatch, tmp_path) -> None:
     (tmp_path / "shared.h").write_text("#pragma once\n")  # a header it may include
     assert CpuExtension(source).build_name() != name
     name = CpuExtension(source).build_name()
+    # Another torch install (another venv) builds its own: neither rebuilds the other's.
+    import torch
+
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert CpuExtension(source).build_name() != name
+    monkeypatch.undo()
+    assert CpuExtension(source).build_name() == name
     # Compiled with -march=native: a binary from another CPU is never loaded here.
     monkeypatch.setattr(cpu_ext, "cpu_identity", lambda: "vendor_id=Other\nflags=fpu sse2")
     assert CpuExtension(source).build_name() != name
