@@ -158,6 +158,12 @@ class CpuExtension:
     def available(self) -> bool:
         return self.load() is not None
 
+    def is_built(self) -> bool:
+        """Whether torch's cache holds this build's binary, so that a load only loads it
+        (the name changes with everything the binary depends on: see `build_name`)."""
+        name = self.build_name()
+        return (self.build_dir(name) / f"{name}.so").is_file()
+
     def require(self) -> Any:
         """The compiled module; RuntimeError where it cannot be built or is turned off."""
         mod = self.load()
@@ -197,17 +203,30 @@ def _build(where: str) -> tuple[str, bool]:
     return ext.source.name, ext.available()
 
 
-def build_all(jobs: int = 2) -> dict[str, bool]:
-    """Compile every kernel now, `jobs` at a time in processes of their own, into torch's
-    extension cache, where every later process finds them (a server's workers then start
-    without compiling). Returns which are available."""
+def build_all(jobs: int = 2, modules: Sequence[str] = KERNEL_MODULES) -> dict[str, bool]:
+    """Compile the kernels `modules` names (default: all), `jobs` at a time in processes
+    of their own, into torch's extension cache, where every later process finds them (a
+    server's workers then start without compiling). Returns which are available."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     # Fresh processes (spawn), not forks of this one, whatever threads it runs.
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=spawn) as pool:
-        return dict(pool.map(_build, KERNEL_MODULES))
+        return dict(pool.map(_build, modules))
+
+
+def pending_builds() -> list[str]:
+    """The KERNEL_MODULES entries this CPU runs whose binaries torch's cache lacks: what a
+    process would compile, one at a time, as it first uses each (none where the kernels
+    are turned off)."""
+    if not kernels_enabled():
+        return []
+    return [
+        where
+        for where in KERNEL_MODULES
+        if (ext := extension(where)).suits_cpu() and not ext.is_built()
+    ]
 
 
 if __name__ == "__main__":

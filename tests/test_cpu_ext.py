@@ -93,6 +93,24 @@ def test_build_all_covers_every_shipped_kernel() -> None:
         assert built[ext.source.name] == runs_here, ext.source.name
 
 
+def test_pending_builds_are_the_kernels_this_cpu_runs_that_the_cache_lacks(
+    monkeypatch, tmp_path
+) -> None:
+    """What `kvray serve` compiles before its workers start: every kernel this CPU runs
+    while torch's cache is empty, none once they are built, none when switched off."""
+    runs_here = [
+        where
+        for where in cpu_ext.KERNEL_MODULES
+        if cpu_ext.kernels_enabled() and cpu_ext.extension(where).suits_cpu()
+    ]
+    cpu_ext.build_all()
+    assert cpu_ext.pending_builds() == []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache
+    assert cpu_ext.pending_builds() == runs_here
+    monkeypatch.setenv("KVRAY_CPU_KERNELS", "0")
+    assert cpu_ext.pending_builds() == []
+
+
 @pytest.mark.skipif(not cpu_ext.kernels_enabled(), reason="kernels switched off")
 def test_a_build_lock_left_by_a_dead_build_is_cleared() -> None:
     """torch waits for its build lock on every load, built or not: one that a killed build

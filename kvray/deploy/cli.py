@@ -80,6 +80,25 @@ def _serve(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
+def _build_kernels() -> None:
+    """Compile, before the workers start, the CPU kernels torch's cache lacks (a fresh
+    machine, a new kvray or torch): a worker compiles each one alone as it first loads it,
+    about 100 s for all of them on 2 cores; here they build side by side, one per core.
+    The workers of a cluster this command starts run on this machine's CPU, the one
+    `-march=native` compiles for."""
+    from kvray import cpu_ext
+
+    pending = cpu_ext.pending_builds()
+    if not pending:
+        return
+    print(
+        f"[kvray] compiling {len(pending)} CPU kernel(s) for this CPU (once per machine)...",
+        file=sys.stderr,
+        flush=True,
+    )
+    cpu_ext.build_all(jobs=min(len(pending), os.cpu_count() or 1), modules=pending)
+
+
 class _StoppedStarting(BaseException):
     """SIGINT or SIGTERM while `kvray serve` was starting. (Not an Exception: a signal
     handler raises it wherever start-up is, and a broad `except Exception` there, in
@@ -120,6 +139,7 @@ def _start_and_serve(
         check_max_seq_len,
         check_tp_split,
         is_hub_id,
+        resolve_device,
         resolve_model_path,
     )
     from kvray.deploy.app import direct_ingress_env, own_cluster_env
@@ -141,6 +161,8 @@ def _start_and_serve(
     if args.address is None and (err := wait_for_port(args.host, args.port)) is not None:
         print(f"error: cannot listen on {args.host}:{args.port}: {err}", file=sys.stderr)
         return 2
+    if args.address is None and resolve_device(config.device) == "cpu":
+        _build_kernels()
     if args.address is None:  # before Ray starts: its processes inherit them
         for key, value in own_cluster_env().items():
             os.environ.setdefault(key, value)
