@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvray.config import SchedulerConfig
 from kvray.core import FinishReason, Req, RequestRejected, SamplingParams
 from kvray.scheduler import Scheduler
+from kvray.scheduler.scheduler import STEP_SECONDS_BUCKETS, STEP_TOKEN_BUCKETS
 
 VOCAB = 40
 EOS = 0
@@ -238,6 +239,34 @@ def test_finished_request_counts_and_cache_hits():
     assert sched.stats.prefix_query_tokens == 42
     assert sched.stats.prefix_hit_tokens == 20  # 21 - 1 tokens, aligned down to pages
     assert sched.stats.num_finished == 2
+
+
+def test_each_step_is_counted_in_the_step_histograms():
+    """`iteration_tokens_total` and `step_compute_seconds` (/metrics) come from these: one
+    observation per settled step, of the tokens it computed and the time the worker says
+    it took (none where a worker measured none)."""
+    sched, ex = make(ps=4, budget=16)
+    sched.add_request(0, list(range(1, 51)), SamplingParams(max_tokens=5, ignore_eos=True))
+    sched.add_request(1, [9, 9, 9], SamplingParams(max_tokens=5, ignore_eos=True))
+    sizes, times = [], []
+    while sched.has_work:
+        plan = sched.step()
+        sizes.append(int(plan.extend_lens.sum()))
+        result = ex.execute(plan)
+        if len(sizes) % 2:  # every other step with a time, as a worker measures it
+            times.append(0.003 * len(sizes))
+            result = dataclasses.replace(result, compute_s=times[-1])
+        sched.process_result(result)
+    st = sched.stats
+    assert st.steps == len(sizes) and sum(sizes) == st.prefill_tokens + st.decode_tokens
+    assert st.step_tokens_sum == sum(sizes)
+    bounds = STEP_TOKEN_BUCKETS
+    assert st.step_tokens_buckets == [sum(n <= b for n in sizes) for b in bounds] + [len(sizes)]
+    assert st.step_compute_seconds_sum == pytest.approx(sum(times))
+    bounds = STEP_SECONDS_BUCKETS
+    expected = [sum(t <= b for t in times) for b in bounds] + [len(times)]
+    assert st.step_compute_seconds_buckets == expected
+    assert len(set(expected)) > 2  # the times spread over several buckets
 
 
 # -- the property test -------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Any
 
 import ray
 
+from kvray import histogram
 from kvray.cluster.engine_core import EngineCore
 from kvray.cluster.ray_executor import RayExecutor
 
@@ -53,14 +54,12 @@ class TransferStats:
     kv_fetch_seconds_sum: float = 0.0
     # cumulative counts of fetch durations <= each of FETCH_BUCKETS_S, then +Inf
     kv_fetch_seconds_buckets: list[int] = field(
-        default_factory=lambda: [0] * (len(FETCH_BUCKETS_S) + 1)
+        default_factory=lambda: histogram.empty_buckets(FETCH_BUCKETS_S)
     )
 
     def observe(self, seconds: float) -> None:
         self.kv_fetch_seconds_sum += seconds
-        for i, bound in enumerate((*FETCH_BUCKETS_S, float("inf"))):
-            if seconds <= bound:
-                self.kv_fetch_seconds_buckets[i] += 1
+        histogram.observe(self.kv_fetch_seconds_buckets, FETCH_BUCKETS_S, seconds)
 
 
 def _workers(core: EngineCore) -> list[Any] | None:

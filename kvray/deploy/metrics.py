@@ -154,6 +154,9 @@ class EngineCollector(Collector):
         self.read_stats = read_stats
 
     def collect(self) -> Iterator[Metric]:
+        from kvray.cluster.kv_transfer import FETCH_BUCKETS_S
+        from kvray.scheduler.scheduler import STEP_SECONDS_BUCKETS, STEP_TOKEN_BUCKETS
+
         stats = self.read_stats()
         labels = [self.model_name]
 
@@ -232,25 +235,46 @@ class EngineCollector(Collector):
             total("kv_fetched_tokens"),
         )
         yield counter("kv_exports", "Prefixes copied out to another replica.", total("kv_exports"))
-        yield _fetch_seconds(labels, stats)
+        yield _histogram(
+            "kv_fetch_seconds",
+            "Time to fetch a prompt prefix's K/V from another replica.",
+            labels,
+            stats,
+            "kv_fetch_seconds",
+            FETCH_BUCKETS_S,
+        )
+        yield _histogram(
+            "iteration_tokens_total",
+            "Tokens computed per engine step: decodes, draft tokens checked, prompt tokens.",
+            labels,
+            stats,
+            "step_tokens",
+            STEP_TOKEN_BUCKETS,
+        )
+        yield _histogram(
+            "step_compute_seconds",
+            "Time the workers took to compute an engine step (every running request waits "
+            "for its step: the floor of the inter-token latency).",
+            labels,
+            stats,
+            "step_compute_seconds",
+            STEP_SECONDS_BUCKETS,
+        )
 
 
-def _fetch_seconds(labels: list[str], stats: list[dict[str, Any]]) -> Metric:
-    """The prefix fetches' durations (request to K/V in place), summed over engines."""
-    from kvray.cluster.kv_transfer import FETCH_BUCKETS_S
-
-    counts = [0] * (len(FETCH_BUCKETS_S) + 1)
+def _histogram(
+    name: str, doc: str, labels: list[str], stats: list[dict[str, Any]], key: str, bounds: Any
+) -> Metric:
+    """A histogram the engines keep in their stats (`kvray.histogram`: `{key}_buckets`,
+    `{key}_sum`), summed over engines."""
+    counts = [0] * (len(bounds) + 1)
     for s in stats:
-        for i, n in enumerate(s.get("kv_fetch_seconds_buckets", ())):
+        for i, n in enumerate(s.get(f"{key}_buckets", ())):
             counts[i] += n
-    h = HistogramMetricFamily(
-        "kvray:kv_fetch_seconds",
-        "Time to fetch a prompt prefix's K/V from another replica.",
-        labels=["model_name"],
-    )
-    bounds = [str(b) for b in FETCH_BUCKETS_S] + ["+Inf"]
-    total = float(sum(s.get("kv_fetch_seconds_sum", 0.0) for s in stats))
-    h.add_metric(labels, list(zip(bounds, counts, strict=True)), total)
+    h = HistogramMetricFamily(f"kvray:{name}", doc, labels=["model_name"])
+    edges = [str(float(b)) for b in bounds] + ["+Inf"]
+    total = float(sum(s.get(f"{key}_sum", 0.0) for s in stats))
+    h.add_metric(labels, list(zip(edges, counts, strict=True)), total)
     return h
 
 

@@ -14,10 +14,11 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvray import histogram
 from kvray.config import SchedulerConfig
 from kvray.core import (
     Admission,
@@ -69,6 +70,29 @@ def _admission(req: Req) -> Admission:
     )
 
 
+# The bounds of the per-step histograms (`SchedulerStats`): vLLM's for tokens per step; step
+# times from a small batch's decode on a GPU to a long prefill chunk on a CPU.
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_SECONDS_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
 @dataclass
 class SchedulerStats:
     """Monotonic counters (tokens unless named otherwise)."""
@@ -83,6 +107,24 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    # Per step (as vLLM's iteration_tokens_total): the tokens it computed (decodes, drafts
+    # checked, prompt tokens) and the workers' time computing it, as histograms
+    # (`kvray.histogram`: cumulative counts per bound, then +Inf, and the sum).
+    step_tokens_sum: int = 0
+    step_tokens_buckets: list[int] = field(
+        default_factory=lambda: histogram.empty_buckets(STEP_TOKEN_BUCKETS)
+    )
+    step_compute_seconds_sum: float = 0.0
+    step_compute_seconds_buckets: list[int] = field(
+        default_factory=lambda: histogram.empty_buckets(STEP_SECONDS_BUCKETS)
+    )
+
+    def observe_step(self, tokens: int, compute_s: float | None) -> None:
+        self.step_tokens_sum += tokens
+        histogram.observe(self.step_tokens_buckets, STEP_TOKEN_BUCKETS, tokens)
+        if compute_s is not None:
+            self.step_compute_seconds_sum += compute_s
+            histogram.observe(self.step_compute_seconds_buckets, STEP_SECONDS_BUCKETS, compute_s)
 
 
 class Scheduler:
@@ -448,8 +490,10 @@ class Scheduler:
         """Take the tokens a plan sampled; finish requests that hit a stop condition."""
         reqs = self._inflight.pop(result.step_id, [])
         shape = self._shapes.pop(result.step_id, None)
-        if shape is not None and result.compute_s is not None:
-            self.budget.observe(*shape, result.compute_s)
+        if shape is not None:
+            self.stats.observe_step(sum(shape), result.compute_s)
+            if result.compute_s is not None:
+                self.budget.observe(*shape, result.compute_s)
         events: list[TokenEvent] = []
         token_ids = result.token_ids.tolist()
         if result.logprobs is not None:

@@ -845,6 +845,8 @@ HISTOGRAMS = (
     "request_queue_time_seconds",
     "request_prompt_tokens",
     "request_generation_tokens",
+    "iteration_tokens_total",
+    "step_compute_seconds",
 )
 GAUGES = (
     "num_requests_running",

@@ -227,3 +227,11 @@ def test_histograms_hold_the_request(live_metrics):
     assert moved("kvray:inter_token_latency_seconds_count") == 3  # 4 tokens, 3 gaps
     assert moved("kvray:generation_tokens_total") == 4
     assert moved("kvray:prompt_tokens_total") == live_metrics["usage"]["prompt_tokens"]
+    # The engine's steps: one for the prompt (it fits a chunk), one per later token, each
+    # with its tokens and the time it took (nothing else runs on the engine meanwhile).
+    steps = moved("kvray:iteration_tokens_total_count")
+    assert steps == 4
+    assert moved("kvray:step_compute_seconds_count") == steps
+    assert moved("kvray:step_compute_seconds_sum") > 0
+    computed = moved("kvray:prefill_computed_tokens_total")
+    assert moved("kvray:iteration_tokens_total_sum") == computed + 3
