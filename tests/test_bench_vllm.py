@@ -89,10 +89,11 @@ def test_serve_comparison_puts_kvray_first_and_divides_by_the_other() -> None:
 
 def test_serve_rounds_alternate_the_order_and_take_medians_of_figures_and_ratios() -> None:
     from kvray.bench import serve
+    from kvray.bench.report import round_order
 
-    assert serve.round_order(["kvray", "vllm"], 0) == ["kvray", "vllm"]
-    assert serve.round_order(["kvray", "vllm"], 1) == ["vllm", "kvray"]
-    assert serve.round_order(["kvray", "vllm"], 2) == ["kvray", "vllm"]
+    assert round_order(["kvray", "vllm"], 0) == ["kvray", "vllm"]
+    assert round_order(["kvray", "vllm"], 1) == ["vllm", "kvray"]
+    assert round_order(["kvray", "vllm"], 2) == ["kvray", "vllm"]
 
     def report(ttft: float, itl: float | None) -> dict[str, object]:
         row = {"ttft_p50_s": ttft, "itl_p99_s": itl, "output_token_throughput": 10.0}
@@ -160,3 +161,31 @@ def test_serve_rounds_report_every_round_and_the_medians(
         [0.5, 0.5, 1.0]
     )
     assert saved["comparison"][0]["ttft_p50_s_ratio"] == pytest.approx(0.5)
+
+
+def test_offline_rounds_report_the_median_of_fresh_runs(tmp_path: Path) -> None:
+    """`kvray bench offline --rounds N`: every round runs the workload again from an empty
+    prefix cache (as a fresh vLLM does: a later round finds none of its prompts cached),
+    and the summary holds the median of the rounds. (Here kvray alone, on a tiny random
+    model; with `--baseline vllm` the engines take turns, `round_order`.)"""
+    import json
+    import statistics
+
+    out = tmp_path / "offline.json"
+    offline.main(
+        ["--random-model", "tiny-llama", "--dtype", "float32", "--device", "cpu"]
+        + ["--num-requests", "6", "--input-len", "40", "60", "--output-len", "3", "6"]
+        + ["--baseline", "--rounds", "3", "--decode-running", "4", "--decode-steps", "2"]
+        + ["--speculative-tokens", "0", "--json", str(out)]
+    )
+    report = json.loads(out.read_text())
+    rounds = report["rounds"]
+    assert [r["order"] for r in rounds] == [["kvray"]] * 3
+    assert all(r["vllm"] is None for r in rounds)
+    rates = [r["kvray"]["output_tok_s"] for r in rounds]
+    assert report["summary"]["rounds"] == 3
+    assert report["summary"]["kvray_output_tok_s"] == statistics.median(rates)
+    assert report["summary"]["vllm_output_speedup"] is None
+    # Every round computed all its prompts: none was found cached from the round before.
+    computed = [r["kvray"]["prefill_tokens"] for r in rounds]
+    assert computed == [computed[0]] * 3 and computed[0] >= 6 * 40

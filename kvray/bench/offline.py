@@ -42,6 +42,7 @@ from kvray.bench.report import (
     default_dtype,
     machine_info,
     print_table,
+    round_order,
     write_bars,
     write_json,
 )
@@ -116,6 +117,25 @@ def run_kvray(llm: Any, wl: Workload) -> dict[str, float]:
     return _rates(wl, elapsed)
 
 
+def _measure_kvray(llm: Any, wl: Workload) -> dict[str, float]:
+    """One kvray run of the workload, with the drafts it checked and kept, from an empty
+    prefix cache (as every vLLM run starts: a later round must not find its prompts)."""
+    llm.engine.flush_cache()
+    stats = llm.engine.scheduler.stats
+    drafted, held, computed = stats.draft_tokens, stats.accepted_draft_tokens, stats.prefill_tokens
+    kv = run_kvray(llm, wl)
+    kv["prefill_tokens"] = stats.prefill_tokens - computed  # the prompt tokens it computed
+    kv["draft_tokens"] = stats.draft_tokens - drafted
+    kv["accepted_draft_tokens"] = stats.accepted_draft_tokens - held
+    print(f"kvray: {kv['output_tok_s']:.1f} output tok/s in {kv['elapsed_s']:.1f} s")
+    if kv["draft_tokens"]:
+        print(
+            f"kvray drafts: {kv['accepted_draft_tokens']} of {kv['draft_tokens']} held "
+            f"({kv['accepted_draft_tokens'] / kv['draft_tokens']:.0%})"
+        )
+    return kv
+
+
 def run_hf(
     path: str, wl: Workload, dtype: torch.dtype, batch: int, device: torch.device
 ) -> dict[str, float]:
@@ -172,6 +192,16 @@ def run_vllm(
         raise RuntimeError(f"vLLM produced {out['output_tokens']} of {wl.output_tokens} tokens")
     print(f"vllm {out['version']}: {wl.output_tokens / out['elapsed_s']:.1f} output tok/s")
     return {**_rates(wl, out["elapsed_s"]), **out}
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's rounds as one run: the median of each figure (the run itself when
+    there is one); figures that are not numbers (vLLM's version) come from the first."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
 
 
 def _drafts_label(k: int) -> str:
@@ -296,6 +326,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="give vLLM the same n-gram speculative decoding (on this CPU build it was "
         "slower than without: off by default, its best setting)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run kvray and vLLM on the workload this many times each, the order reversed "
+        "every other round, and report the medians (the ratio: the median of the rounds' "
+        "ratios); default 1",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -303,6 +341,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.dtype = args.dtype or default_dtype(args.device)
     if args.num_requests < 1:
         ap.error("--num-requests must be at least 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     for flag, (low, high) in (("--input-len", args.input_len), ("--output-len", args.output_len)):
         if not 1 <= low <= high:
             ap.error(f"{flag} is a range MIN MAX with 1 <= MIN <= MAX, got {low} {high}")
@@ -365,17 +405,28 @@ def _run(
     # Warm up (kernel builds, allocator): prefills, and decode batches small and large.
     warm = make_workload(min(args.num_requests, 64), (16, 48), (4, 8), llm.spec.vocab_size, 1)
     run_kvray(llm, warm)
-    stats = llm.engine.scheduler.stats
-    drafted, held = stats.draft_tokens, stats.accepted_draft_tokens
-    kv = run_kvray(llm, wl)
-    kv["draft_tokens"] = stats.draft_tokens - drafted
-    kv["accepted_draft_tokens"] = stats.accepted_draft_tokens - held
-    print(f"kvray: {kv['output_tok_s']:.1f} output tok/s in {kv['elapsed_s']:.1f} s")
-    if kv["draft_tokens"]:
-        print(
-            f"kvray drafts: {kv['accepted_draft_tokens']} of {kv['draft_tokens']} held "
-            f"({kv['accepted_draft_tokens'] / kv['draft_tokens']:.0%})"
-        )
+
+    baselines = [b for b in dict.fromkeys(args.baseline) if not (b == "hf" and args.skip_hf)]
+    # kvray and vLLM take turns, round after round; kvray's engine stays loaded (idle: it
+    # runs no thread of its own) while vLLM runs in its own process.
+    engines = ["kvray", "vllm"] if "vllm" in baselines else ["kvray"]
+    rounds: list[dict[str, Any]] = []
+    for k in range(args.rounds):
+        order = round_order(engines, k)
+        if args.rounds > 1:
+            print(f"round {k + 1} of {args.rounds}: {' then '.join(order)}", flush=True)
+        got = {
+            e: _measure_kvray(llm, wl) if e == "kvray" else run_vllm(path, wl, args, device)
+            for e in order
+        }
+        rounds.append({"order": order, "kvray": got["kvray"], "vllm": got.get("vllm")})
+    kv = _median_run([r["kvray"] for r in rounds])
+    vllm = _median_run([r["vllm"] for r in rounds]) if "vllm" in engines else None
+    vllm_ratio = (
+        statistics.median(r["kvray"]["output_tok_s"] / r["vllm"]["output_tok_s"] for r in rounds)
+        if vllm
+        else None
+    )
 
     mc = llm.spec.model_config
     worker_model = llm.engine.worker.model
@@ -390,10 +441,6 @@ def _run(
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    baselines = [b for b in dict.fromkeys(args.baseline) if not (b == "hf" and args.skip_hf)]
-    vllm = None
-    if "vllm" in baselines:
-        vllm = run_vllm(path, wl, args, device)
     hf = run_hf(path, wl, dtype, args.hf_batch, device) if "hf" in baselines else None
     kvray = f"kvray ({_drafts_label(args.speculative_tokens)})"
     rows = [[kvray, kv["output_tok_s"], kv["total_tok_s"], kv["elapsed_s"]]]
@@ -402,15 +449,32 @@ def _run(
             rows.append([name, base["output_tok_s"], base["total_tok_s"], base["elapsed_s"]])
     for name, base in (("hf", hf), ("vllm", vllm)):
         if base is not None:
-            rows.append(
-                [
-                    f"ratio kvray / {name}",
-                    kv["output_tok_s"] / base["output_tok_s"],
-                    kv["total_tok_s"] / base["total_tok_s"],
-                    base["elapsed_s"] / kv["elapsed_s"],
-                ]
-            )
-    print_table("offline throughput", ["system", "output tok/s", "total tok/s", "seconds"], rows)
+            # (Every figure is a tokens-per-second ratio: output, total and elapsed move
+            # together on one workload.)
+            ratio = vllm_ratio if name == "vllm" else kv["output_tok_s"] / base["output_tok_s"]
+            rows.append([f"ratio kvray / {name}", ratio, ratio, ratio])
+    if args.rounds > 1:
+        print_table(
+            f"{args.rounds} rounds",
+            ["round", "order", "kvray output tok/s"]
+            + (["vllm output tok/s", "ratio"] if vllm else []),
+            [
+                [k + 1, " then ".join(r["order"]), r["kvray"]["output_tok_s"]]
+                + (
+                    [
+                        r["vllm"]["output_tok_s"],
+                        r["kvray"]["output_tok_s"] / r["vllm"]["output_tok_s"],
+                    ]
+                    if vllm
+                    else []
+                )
+                for k, r in enumerate(rounds)
+            ],
+        )
+    title = "offline throughput" + (
+        f" (medians of {args.rounds} rounds)" if args.rounds > 1 else ""
+    )
+    print_table(title, ["system", "output tok/s", "total tok/s", "seconds"], rows)
     print_table(
         f"steady decode, {args.decode_running} running",
         [
@@ -429,7 +493,8 @@ def _run(
         "baseline_total_tok_s": hf["total_tok_s"] if hf else None,
         "output_speedup": kv["output_tok_s"] / hf["output_tok_s"] if hf else None,
         "vllm_output_tok_s": vllm["output_tok_s"] if vllm else None,
-        "vllm_output_speedup": kv["output_tok_s"] / vllm["output_tok_s"] if vllm else None,
+        "vllm_output_speedup": vllm_ratio,
+        "rounds": args.rounds,
         "vllm_version": vllm["version"] if vllm else None,
         "vllm_speculative_tokens": _vllm_drafts(vllm) if vllm else None,
         "speculative_tokens": args.speculative_tokens,
@@ -450,6 +515,7 @@ def _run(
         kvray=kv,
         baseline=hf,
         vllm=vllm,
+        rounds=rounds,
     )
     groups = {
         "output tok/s": {"kvray": kv["output_tok_s"]},

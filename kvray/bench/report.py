@@ -26,6 +26,12 @@ def default_dtype(device: str = "auto") -> str:
 DTYPE_HELP = "default: bfloat16 on a GPU or a CPU with fast bfloat16, else float32"
 
 
+def round_order(engines: Sequence[str], k: int) -> list[str]:
+    """Round k's order of running the engines: as given, reversed every other round, so
+    that a machine slowing down (or speeding up) during a run weighs on each alike."""
+    return list(engines) if k % 2 == 0 else list(reversed(engines))
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 

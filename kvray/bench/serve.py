@@ -53,7 +53,14 @@ from typing import Any
 
 import numpy as np
 
-from kvray.bench.report import DTYPE_HELP, default_dtype, print_table, write_bars, write_json
+from kvray.bench.report import (
+    DTYPE_HELP,
+    default_dtype,
+    print_table,
+    round_order,
+    write_bars,
+    write_json,
+)
 
 PERCENTILES = (50, 90, 99)
 
@@ -430,11 +437,6 @@ def run_started(
         finally:
             servers.stop(proc)
     return reports
-
-
-def round_order(engines: list[str], k: int) -> list[str]:
-    """Round k's order of starting the engines: as given, reversed every other round."""
-    return list(engines) if k % 2 == 0 else list(reversed(engines))
 
 
 def compare(reports: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
