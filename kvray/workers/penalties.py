@@ -34,6 +34,7 @@ class _Row:
     bias: torch.Tensor | None
     stop_ids: torch.Tensor | None  # held back while fewer than min_tokens are out
     num_out: int
+    stops: tuple[int, ...] = ()  # stop_ids on the host, beside the grammar's host mask
 
 
 class LogitProcessors:
@@ -66,7 +67,9 @@ class LogitProcessors:
         stop_ids = None
         if sp.min_tokens > len(adm.output_ids) and adm.stop_ids:
             stop_ids = torch.tensor(adm.stop_ids, dtype=torch.long, device=dev)
-        self._rows[adm.row] = _Row(sp, counts, seen, bias_ids, bias, stop_ids, len(adm.output_ids))
+        self._rows[adm.row] = _Row(
+            sp, counts, seen, bias_ids, bias, stop_ids, len(adm.output_ids), tuple(adm.stop_ids)
+        )
 
     def free(self, row: int) -> None:
         self._rows.pop(row, None)
@@ -92,7 +95,7 @@ class LogitProcessors:
             if row.stop_ids is not None and not (
                 grammar is not None
                 and i in constrained
-                and _only_stops(grammar.bitmask[i], row.stop_ids, self.vocab_size)
+                and _only_stops(grammar.bitmask[i], row.stops, self.vocab_size)
             ):
                 x.index_fill_(0, row.stop_ids, float("-inf"))
             if row.seen is not None:
@@ -123,10 +126,11 @@ class LogitProcessors:
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
-def _only_stops(words: torch.Tensor, stop_ids: torch.Tensor, vocab_size: int) -> bool:
-    """Whether a grammar mask row (int32 words) allows no token but `stop_ids`: a complete
+def _only_stops(words: torch.Tensor, stops: Sequence[int], vocab_size: int) -> bool:
+    """Whether a grammar mask row (int32 words) allows no token but `stops`: a complete
     grammar, which ends the request however few tokens are out (min_tokens cannot hold
-    back the only tokens left: nothing would be left to sample)."""
+    back the only tokens left: nothing would be left to sample). On the host, where
+    xgrammar fills the mask: no copy from (or wait for) the device."""
     allowed = ((words.cpu().unsqueeze(1) >> _BITS) & 1).flatten()[:vocab_size].bool()
-    allowed[stop_ids.cpu()] = False
+    allowed[list(stops)] = False
     return not bool(allowed.any())
