@@ -73,24 +73,7 @@ def _admission(req: Req) -> Admission:
 # The bounds of the per-step histograms (`SchedulerStats`): vLLM's for tokens per step; step
 # times from a small batch's decode on a GPU to a long prefill chunk on a CPU.
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-STEP_SECONDS_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+STEP_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 10)
 
 
 @dataclass
