@@ -103,7 +103,8 @@ def test_pending_builds_are_the_kernels_this_cpu_runs_that_the_cache_lacks(
         for where in cpu_ext.KERNEL_MODULES
         if cpu_ext.kernels_enabled() and cpu_ext.extension(where).suits_cpu()
     ]
-    cpu_ext.build_all()
+    for where in runs_here:  # built (or loaded, where `make test` built them already)
+        cpu_ext.extension(where).load()
     assert cpu_ext.pending_builds() == []
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache
     assert cpu_ext.pending_builds() == runs_here
