@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -29,6 +29,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from kvray import histogram
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -263,11 +265,16 @@ class EngineCollector(Collector):
 
 
 def _histogram(
-    name: str, doc: str, labels: list[str], stats: list[dict[str, Any]], key: str, bounds: Any
+    name: str,
+    doc: str,
+    labels: list[str],
+    stats: list[dict[str, Any]],
+    key: str,
+    bounds: Sequence[float],
 ) -> Metric:
     """A histogram the engines keep in their stats (`kvray.histogram`: `{key}_buckets`,
     `{key}_sum`), summed over engines."""
-    counts = [0] * (len(bounds) + 1)
+    counts = histogram.empty_buckets(bounds)
     for s in stats:
         for i, n in enumerate(s.get(f"{key}_buckets", ())):
             counts[i] += n
