@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +21,8 @@ from kvray.kvcache import (
     create_prefix_cache,
     div_even,
 )
+from kvray.kvcache.mha_pool import zeroed
+from kvray.kvcache.prefault import prefault_in_background
 from kvray.kvcache.radix import RadixPrefixCache
 
 
@@ -111,15 +119,40 @@ def test_pool_replicates_kv_heads_and_adds_dummy_page():
         )
 
 
-def test_a_cpu_pool_is_zeros_and_takes_memory_as_it_fills():
-    """A 1 GiB CPU pool starts without writing its memory (the process grows by the pages
-    written, not by the pool), reads as zeros everywhere, and keeps what is stored."""
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
 
-    def rss_mib() -> float:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096 / 2**20
 
-    before = rss_mib()
+def _resident_bytes(address: int) -> int:
+    """Rss of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and head[0] == "Rss:":
+                return int(head[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_fresh_cpu_memory_is_zeros_not_yet_written():
+    """`zeroed` takes fresh anonymous memory: 1 GiB of zeros that the process does not
+    grow by until its pages are written (the pool then commits them off the step path)."""
+    before = _rss_mib()
+    buf = zeroed((2, 16, 2048, 16, 4, 64), torch.float32, "cpu")
+    assert _rss_mib() - before < 64
+    assert not buf[1, 7].any() and not buf[0, 15].any()  # (zero pages: read, not written)
+    assert _rss_mib() - before < 64
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise: Linux")
+def test_a_cpu_pool_commits_its_memory_in_the_background_and_keeps_what_is_stored():
+    """A 1 GiB CPU pool is usable at once; a background thread commits all of its memory
+    (stores meanwhile land and stay), it still reads as zeros where nothing was stored,
+    and a dropped pool's thread lets go of it."""
     pool = create_kvcache_pool(
         num_kv_heads=4,
         num_layers=16,
@@ -130,14 +163,65 @@ def test_a_cpu_pool_is_zeros_and_takes_memory_as_it_fills():
         device="cpu",
     )
     assert pool.buffer_shape == (2, 16, 2048, 16, 4, 64)  # 1 GiB
-    assert rss_mib() - before < 64
-    k = pool.k_flat(3)
-    assert not k.any() and not pool.v_flat(15).any()  # (zero pages: read, not written)
     loc = torch.tensor([5, 700, 32767])
     kv = torch.randn(3, 4, 64)
     pool.store_kv(kv, -kv, loc, 3)
+    thread = pool.prefault_thread
+    assert thread is not None
+    thread.join(120)
+    assert not thread.is_alive()
+    buffer = pool.k_flat(0)
+    assert _resident_bytes(buffer.data_ptr()) >= 2**30
+    k = pool.k_flat(3)
     assert torch.equal(k[loc], kv) and torch.equal(pool.v_flat(3)[loc], -kv)
-    assert rss_mib() - before < 64
+    k[loc] = 0
+    pool.v_flat(3)[loc] = 0
+    assert not any(pool.k_flat(i).any() or pool.v_flat(i).any() for i in range(16))
+
+    del pool, buffer, k
+    gc.collect()
+    again = create_kvcache_pool(
+        num_kv_heads=4,
+        num_layers=16,
+        head_dim=64,
+        num_pages=2047,
+        page_size=16,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    thread, address = again.prefault_thread, again.k_flat(0).data_ptr()
+    del again
+    gc.collect()
+    assert thread is not None
+    thread.join(120)
+    with pytest.raises(AssertionError, match="no mapping"):
+        _resident_bytes(address)  # the thread let go, and the memory went back
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise: Linux")
+def test_the_prefault_thread_holds_the_pool_only_while_it_commits_a_chunk():
+    """Between chunks nothing of the thread's keeps the buffer alive: dropped then, it is
+    freed at once, and the thread ends at its next chunk without touching it."""
+    buf = zeroed((4, 1024, 1024), torch.uint8, "cpu")
+    alive = weakref.ref(buf)
+    first_done, go_on = threading.Event(), threading.Event()
+
+    def chunks() -> Iterator[list[tuple[int, int]]]:
+        yield [(0, 2**20), (3 * 2**20 + 5, 4096)]  # (offsets need not be page-aligned)
+        first_done.set()
+        go_on.wait(60)
+        yield [(2**20, 2**20)]
+
+    thread = prefault_in_background(buf, chunks())
+    assert thread is not None
+    assert first_done.wait(60)
+    assert _resident_bytes(buf.data_ptr()) >= 2**20 + 4096
+    del buf
+    gc.collect()
+    assert alive() is None
+    go_on.set()
+    thread.join(60)
+    assert not thread.is_alive()
 
 
 def test_policies_are_registered_by_name():

@@ -4,26 +4,47 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from kvray.kvcache import cpu_store
 from kvray.kvcache.base import BaseKVCachePool, div_even
+from kvray.kvcache.prefault import prefault_in_background
+
+# Pages committed per chunk of the background prefault (each chunk is 2 x num_layers ranges).
+PREFAULT_CHUNK_PAGES = 32
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A tensor of zeros. On a CPU it lies in fresh private anonymous memory, which the
     kernel hands out zero-filled page by page as it is first written: `torch.zeros` wrote
-    every byte of a 2 GiB pool at start (2.3 s of each engine start on a 2-core VM), where
-    a pool is mostly written by the requests that fill it. So a CPU pool's memory is
-    committed as it fills, not at start; it is returned to the system with the tensor."""
+    every byte of a 2 GiB pool at start (2.3 s of each engine start on a 2-core VM). So
+    nothing is written at start; the pool commits the memory on a background thread
+    (`kvray.kvcache.prefault`), and it is returned to the system with the tensor."""
     if torch.device(device).type != "cpu" or math.prod(shape) == 0:
         return torch.zeros(shape, device=device, dtype=dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # The tensor holds a reference to the mapping, which is unmapped when both are gone.
     return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def page_chunks(buffer: torch.Tensor) -> Iterator[list[tuple[int, int]]]:
+    """Byte ranges of a `(2, num_layers, num_pages, ...)` buffer: PREFAULT_CHUNK_PAGES pages
+    of every layer's K and V at a time, from the highest pages down. (It keeps the shape,
+    not the tensor: the prefault thread must not keep a dropped pool alive.)"""
+    kv, layers, pages = buffer.shape[:3]
+    page_bytes = math.prod(buffer.shape[3:]) * buffer.element_size()
+    return (
+        [
+            (((i * layers + layer) * pages + lo) * page_bytes, (hi - lo) * page_bytes)
+            for i in range(kv)
+            for layer in range(layers)
+        ]
+        for hi in range(pages, 0, -PREFAULT_CHUNK_PAGES)
+        for lo in (max(hi - PREFAULT_CHUNK_PAGES, 0),)
+    )
 
 
 class MHAKVCache(BaseKVCachePool):
@@ -65,6 +86,12 @@ class MHAKVCache(BaseKVCachePool):
         self.page_size = page_size
         self.local_kv_heads = local_kv_heads
         self.head_dim = head_dim
+        # A CPU pool's memory is committed in the background, highest page first: the
+        # scheduler's free stack hands pages out from the top (scheduler/cache.py).
+        self.prefault_thread = None
+        if self._cpu:
+            chunks = page_chunks(self._kv_buffer)
+            self.prefault_thread = prefault_in_background(self._kv_buffer, chunks)
 
     def k_cache(self, index: int) -> torch.Tensor:
         return self._k_buffer[index]
