@@ -4,17 +4,21 @@ A CPU pool lies in fresh anonymous memory (`mha_pool.zeroed`) so that an engine 
 once; but then every 4 KiB page is faulted in by the first step that stores K/V into it.
 On a VM a first touch is expensive (the host backs the page too): in the offline bench on
 a 2-core VM, `store_kv` took 2.3 s of a 50 s run this way, against 0.24 s with the pool
-committed. So a thread at the lowest priority (nice 19, it yields to the steps) asks the
-kernel to commit the pages (`madvise(MADV_POPULATE_WRITE)`, which writes nothing: the
-pages stay zero) in the order the scheduler hands them out, and stops when the pool is
-dropped. Where the kernel cannot (before Linux 5.14, another OS), the pages are faulted in
-by the steps as before: this only moves work, it never changes what a step computes.
+committed. So a thread asks the kernel to commit the pages (`madvise(MADV_POPULATE_WRITE)`,
+which writes nothing: the pages stay zero, and a step may store into them meanwhile) in
+the order the scheduler hands them out, and stops when the pool is dropped. 2 GiB take
+1-2 s on that VM, 8-10 s while Ray and Serve start beside it.
+
+It runs at the process's own priority. At nice 19 it took twice as long in a served
+worker, and while it ran every served step was slower (TTFT +86 ms p50 in `kvray bench
+overhead`), most likely waiting for the memory-map lock that the starved thread held.
+Where the kernel cannot (before Linux 5.14, another OS), the steps fault the pages in as
+before: this only moves work, it never changes what a step computes.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import threading
 import weakref
@@ -38,7 +42,7 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def prefault_in_background(
     buffer: torch.Tensor, chunks: Iterable[list[tuple[int, int]]], name: str = "kvray-prefault"
 ) -> threading.Thread | None:
-    """Commit `buffer`'s memory, chunk by chunk, on a daemon thread at nice 19; each chunk
+    """Commit `buffer`'s memory, chunk by chunk, on a daemon thread; each chunk
     is a list of (byte offset, byte length) ranges of the buffer. Returns the thread, or
     None where the platform cannot. The thread holds the buffer only while it commits one
     chunk: once the pool lets go of it, the thread ends at the next chunk."""
@@ -48,10 +52,6 @@ def prefault_in_background(
     ref = weakref.ref(buffer)
 
     def run() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
         for chunk in chunks:
             held = ref()
             if held is None:
