@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from kvray.kvcache import (
     create_kvcache_pool,
     create_prefix_cache,
     div_even,
+    prefault,
 )
 from kvray.kvcache.mha_pool import zeroed
 from kvray.kvcache.prefault import prefault_in_background
@@ -148,7 +148,7 @@ def test_fresh_cpu_memory_is_zeros_not_yet_written():
     assert _rss_mib() - before < 64
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise: Linux")
+@pytest.mark.skipif(not prefault.supported(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE)")
 def test_a_cpu_pool_commits_its_memory_in_the_background_and_keeps_what_is_stored():
     """A 1 GiB CPU pool is usable at once; a background thread commits all of its memory
     (stores meanwhile land and stay), it still reads as zeros where nothing was stored,
@@ -198,7 +198,7 @@ def test_a_cpu_pool_commits_its_memory_in_the_background_and_keeps_what_is_store
         _resident_bytes(address)  # the thread let go, and the memory went back
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise: Linux")
+@pytest.mark.skipif(not prefault.supported(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE)")
 def test_the_prefault_thread_holds_the_pool_only_while_it_commits_a_chunk():
     """Between chunks nothing of the thread's keeps the buffer alive: dropped then, it is
     freed at once, and the thread ends at its next chunk without touching it."""

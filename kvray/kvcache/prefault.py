@@ -39,6 +39,16 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
+def supported() -> bool:
+    """Whether this kernel commits memory on request (MADV_POPULATE_WRITE, Linux 5.14+)."""
+    madvise = _madvise()
+    if madvise is None:
+        return False
+    probe = torch.empty(_PAGE * 2, dtype=torch.uint8)
+    start = (probe.data_ptr() + _PAGE - 1) // _PAGE * _PAGE
+    return bool(madvise(start, _PAGE, _MADV_POPULATE_WRITE) == 0)
+
+
 def prefault_in_background(
     buffer: torch.Tensor, chunks: Iterable[list[tuple[int, int]]], name: str = "kvray-prefault"
 ) -> threading.Thread | None:
