@@ -148,12 +148,9 @@ def test_fresh_cpu_memory_is_zeros_not_yet_written():
     assert _rss_mib() - before < 64
 
 
-@pytest.mark.skipif(not prefault.supported(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE)")
-def test_a_cpu_pool_commits_its_memory_in_the_background_and_keeps_what_is_stored():
-    """A 1 GiB CPU pool is usable at once; a background thread commits all of its memory
-    (stores meanwhile land and stay), it still reads as zeros where nothing was stored,
-    and a dropped pool's thread lets go of it."""
-    pool = create_kvcache_pool(
+def _gib_pool() -> MHAKVCache:
+    """A 1 GiB float32 CPU pool: (2, 16 layers, 2048 pages, 16 slots, 4 heads, 64)."""
+    return create_kvcache_pool(
         num_kv_heads=4,
         num_layers=16,
         head_dim=64,
@@ -162,6 +159,14 @@ def test_a_cpu_pool_commits_its_memory_in_the_background_and_keeps_what_is_store
         dtype=torch.float32,
         device="cpu",
     )
+
+
+@pytest.mark.skipif(not prefault.supported(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE)")
+def test_a_cpu_pool_commits_its_memory_in_the_background_and_keeps_what_is_stored():
+    """A 1 GiB CPU pool is usable at once; a background thread commits all of its memory
+    (stores meanwhile land and stay), it still reads as zeros where nothing was stored,
+    and a dropped pool's thread lets go of it."""
+    pool = _gib_pool()
     assert pool.buffer_shape == (2, 16, 2048, 16, 4, 64)  # 1 GiB
     loc = torch.tensor([5, 700, 32767])
     kv = torch.randn(3, 4, 64)
@@ -180,15 +185,7 @@ def test_a_cpu_pool_commits_its_memory_in_the_background_and_keeps_what_is_store
 
     del pool, buffer, k
     gc.collect()
-    again = create_kvcache_pool(
-        num_kv_heads=4,
-        num_layers=16,
-        head_dim=64,
-        num_pages=2047,
-        page_size=16,
-        dtype=torch.float32,
-        device="cpu",
-    )
+    again = _gib_pool()
     thread, address = again.prefault_thread, again.k_flat(0).data_ptr()
     del again
     gc.collect()
